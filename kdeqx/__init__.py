@@ -1,0 +1,8 @@
+"""kdeqx: exact k-d trees and operator series for JAX, as Equinox modules."""
+
+import importlib.metadata
+
+from ._tree import KDTree as KDTree
+
+
+__version__ = importlib.metadata.version("kdeqx")
