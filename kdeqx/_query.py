@@ -1,0 +1,134 @@
+"""k-nearest-neighbour queries: a visitor on the traversal engine, and its entry."""
+
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+from ._custom_types import Array, ArrayLike, Bool, Float, Int
+from ._traverse import AbstractVisitor, walk
+from ._validate import (
+    as_float_array,
+    check_finite,
+    check_queries_shape,
+    check_static_int,
+)
+
+
+if TYPE_CHECKING:
+    from ._tree import KDTree
+
+
+def lexicographic_less(d2_a, index_a, d2_b, index_b):
+    """`(d2_a, index_a) < (d2_b, index_b)`: distance first, then the lower index."""
+    return (d2_a < d2_b) | ((d2_a == d2_b) & (index_a < index_b))
+
+
+_KnnState = tuple[Float[Array, " k"], Int[Array, " k"]]
+
+
+class _KNearest(AbstractVisitor[_KnnState]):
+    """Keeps the k best `(d2, index)` pairs, sorted lexicographically.
+
+    Empty entries are `(bound2, -1)`: index -1 sorts before any real index of equal
+    distance, so a point exactly at the upper bound never enters (scipy's `d < bound`).
+    """
+
+    k: int
+    bound2: Float[Array, ""]
+    index_dtype: jnp.dtype
+
+    def init(self) -> _KnnState:
+        return (
+            jnp.full((self.k,), self.bound2),
+            jnp.full((self.k,), -1, self.index_dtype),
+        )
+
+    def should_visit(self, state, box_d2, min_index) -> Bool[Array, ""]:
+        d2, indices = state
+        return lexicographic_less(box_d2, min_index, d2[-1], indices[-1])
+
+    def visit_leaf(self, state, d2, indices) -> _KnnState:
+        return merge_k_best(*state, d2, indices)
+
+
+def merge_k_best(best_d2, best_indices, d2, indices):
+    """The k lexicographically smallest of `best` (sorted, length k) and a leaf.
+
+    A merge by ranks, not a sort: each entry's position in the merged order is a count
+    of comparisons, all vectorised. No real point appears twice, so only the padding
+    slots `(inf, n)` and the empty entries `(bound2, -1)` tie, and those are broken by
+    position.
+    """
+    k, leaf = best_d2.shape[0], d2.shape[0]
+    candidate_first = lexicographic_less(
+        d2[None, :], indices[None, :], best_d2[:, None], best_indices[:, None]
+    )  # (k, leaf)
+    best_rank = jnp.arange(k) + jnp.sum(candidate_first, axis=1)
+    position = jnp.arange(leaf)
+    candidate_before_candidate = lexicographic_less(
+        d2[None, :], indices[None, :], d2[:, None], indices[:, None]
+    ) | ((d2[None, :] == d2[:, None]) & (position[None, :] < position[:, None]))
+    candidate_rank = jnp.sum(~candidate_first, axis=0) + jnp.sum(
+        candidate_before_candidate, axis=1
+    )
+    rank = jnp.concatenate([best_rank, candidate_rank])
+    lands_at = rank[None, :] == jnp.arange(k)[:, None]  # (k, k + leaf), one-hot rows
+
+    def pick(values):
+        zero = jnp.zeros((), values.dtype)
+        return jnp.sum(
+            jnp.where(lands_at, values[None, :], zero), axis=1, dtype=values.dtype
+        )
+
+    return (
+        pick(jnp.concatenate([best_d2, d2])),
+        pick(jnp.concatenate([best_indices, indices])),
+    )
+
+
+def safe_norm(diff: Float[Array, "... d"]) -> Float[Array, "..."]:
+    """Euclidean norm over the last axis whose gradient at zero is zero, not NaN."""
+    d2 = jnp.sum(diff * diff, axis=-1)
+    positive = d2 > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, d2, 1)), 0)
+
+
+def neighbour_distances(
+    tree: "KDTree", x: Float[Array, "*batch d"], indices: Int[Array, "*batch k"]
+) -> Float[Array, "*batch k"]:
+    """Differentiable distances to the chosen rows of `points`; `inf` at sentinels."""
+    found = indices < tree.n
+    rows = tree.points[jnp.where(found, indices, 0)]
+    distance = safe_norm(x[..., None, :] - rows)
+    return jnp.where(found, distance, jnp.inf)
+
+
+def prepare_queries(tree: "KDTree", x: ArrayLike) -> Float[Array, "*batch d"]:
+    x = as_float_array("x", x, dtype=tree.points.dtype)
+    check_queries_shape("x", x, tree.d)
+    return check_finite("x", x)
+
+
+def knn(
+    tree: "KDTree", x: ArrayLike, k: int, distance_upper_bound
+) -> tuple[Float[Array, "*batch k"], Int[Array, "*batch k"]]:
+    k = check_static_int("k", k, 1)
+    x = prepare_queries(tree, x)
+    batch = x.shape[:-1]
+    dtype = tree.points.dtype
+    bound = jnp.broadcast_to(jnp.asarray(distance_upper_bound, dtype), batch)
+    index_dtype = tree.leaf_indices.dtype
+
+    def one_query(xi, bound_i):
+        visitor = _KNearest(k, bound_i * bound_i, index_dtype)
+        _, indices = walk(tree, xi, visitor)
+        return jnp.where(indices < 0, tree.n, indices)
+
+    flat_x = x.reshape(-1, tree.d)
+    if flat_x.shape[0] == 0 or tree.n == 0:
+        indices = jnp.full((*batch, k), tree.n, index_dtype)
+    else:
+        indices = jax.vmap(one_query)(flat_x, bound.reshape(-1))
+        indices = indices.reshape(*batch, k)
+    return neighbour_distances(tree, x, indices), indices

@@ -1,0 +1,230 @@
+"""The KDTree module: its flat arrays, the pure-JAX build and input validation."""
+
+import functools as ft
+import math
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _query
+from ._custom_types import Array, ArrayLike, Float, Int
+from ._validate import (
+    as_float_array,
+    check_finite,
+    check_points_shape,
+    check_static_int,
+)
+
+
+def _tree_depth(n: int, leaf_size: int) -> int:
+    """Levels of splits so that `2**depth` leaves of `leaf_size` slots hold `n`."""
+    leaves_needed = max(1, math.ceil(n / leaf_size))
+    return (leaves_needed - 1).bit_length()
+
+
+def _index_dtype(slots: int):
+    if slots < np.iinfo(np.int32).max:
+        return jnp.int32
+    if jax.config.read("jax_enable_x64"):
+        return jnp.int64
+    raise ValueError(
+        f"A tree with {slots} slots needs 64-bit indices: enable them with "
+        "`jax.config.update('jax_enable_x64', True)` before building it."
+    )
+
+
+def _range_extrema(
+    lo: Float[Array, "leaves d"], hi: Float[Array, "leaves d"], span: Array
+) -> tuple[Float[Array, "leaves d"], Float[Array, "leaves d"]]:
+    """Row `i` becomes the extrema over leaves `[i, i + 2**span)` (by doubling).
+
+    Rows that would wrap around are garbage, but they are only ever read at the start
+    of an aligned segment of `2**span` leaves, where no wrap happens.
+    """
+
+    def double(j, carry):
+        lo, hi = carry
+        step = 2**j
+        return (
+            jnp.minimum(lo, jnp.roll(lo, -step, axis=0)),
+            jnp.maximum(hi, jnp.roll(hi, -step, axis=0)),
+        )
+
+    return lax.fori_loop(0, span, double, (lo, hi))
+
+
+def _leaf_extrema(coords, valid, leaf_size):
+    """Per-leaf bounding boxes of the valid points; empty leaves get `(inf, -inf)`."""
+    d = coords.shape[1]
+    mask = valid[:, None]
+    lo = jnp.where(mask, coords, jnp.inf).reshape(-1, leaf_size, d).min(axis=1)
+    hi = jnp.where(mask, coords, -jnp.inf).reshape(-1, leaf_size, d).max(axis=1)
+    return lo, hi
+
+
+def _split_level(level, perm, *, coords, valid, leaf_size, depth):
+    """Sorts every node of `level` along its widest dimension (a median split).
+
+    Each node is a contiguous, aligned segment of `slots >> level` slots, so one stable
+    sort keyed by (segment, coordinate) splits all nodes of the level at once, with the
+    same program at every level.
+    """
+    slots = coords.shape[0]
+    slot_coords = coords[perm]
+    slot_valid = valid[perm]
+    lo, hi = _leaf_extrema(slot_coords, slot_valid, leaf_size)
+    span = depth - level  # log2 of the number of leaves per node at this level
+    lo, hi = _range_extrema(lo, hi, span)
+    widest_dim = jnp.argmax(hi - lo, axis=1)
+    position = jnp.arange(slots)
+    segment = position >> (span + (leaf_size.bit_length() - 1))
+    segment_first_leaf = segment << span
+    dim = widest_dim[segment_first_leaf]
+    key = jnp.take_along_axis(slot_coords, dim[:, None], axis=1)[:, 0]
+    key = jnp.where(slot_valid, key, jnp.inf)  # padding sorts to the right
+    _, _, perm = lax.sort((segment, key, perm), num_keys=2, is_stable=True)
+    return perm
+
+
+def _internal_boxes(lo, hi, min_index, depth):
+    """Fills the internal nodes (heap order) from their children, bottom-up."""
+    internal = 2**depth - 1
+
+    def merge_children(_, carry):
+        lo, hi, min_index = carry
+        left, right = slice(1, 2 * internal + 1, 2), slice(2, 2 * internal + 2, 2)
+        lo = lo.at[:internal].set(jnp.minimum(lo[left], lo[right]))
+        hi = hi.at[:internal].set(jnp.maximum(hi[left], hi[right]))
+        min_index = min_index.at[:internal].set(
+            jnp.minimum(min_index[left], min_index[right])
+        )
+        return lo, hi, min_index
+
+    if internal == 0:
+        return lo, hi, min_index
+    # After `j` sweeps every node of height <= j is exact; the root has height `depth`.
+    return lax.fori_loop(0, depth, merge_children, (lo, hi, min_index))
+
+
+class KDTree(eqx.Module):
+    """An exact k-d tree over `n` points in `d` dimensions, built and queried in JAX.
+
+    The tree is a balanced median-split k-d tree stored as flat arrays in heap order
+    (node `i` has children `2i + 1` and `2i + 2`), with `2**depth` leaves (buckets) of
+    `leaf_size` slots each. Every array is a pytree leaf, so a tree can be built under
+    `jax.jit`, batched with `jax.vmap`, saved with `eqx.tree_serialise_leaves` and
+    passed into jitted functions without baking its data into the program. Queries
+    walk the tree in one `lax.while_loop`, so their compiled program does not depend
+    on `n`.
+
+    Gradients: distances and interpolated values are differentiable with respect to
+    the query points and to `points` (the neighbour *choice* is piecewise constant and
+    carries no gradient). The other arrays are derived search structures, built
+    without gradient.
+    """
+
+    points: Float[Array, "n d"]
+    leaf_points: Float[Array, "slots d"]
+    leaf_indices: Int[Array, " slots"]
+    node_lo: Float[Array, "nodes d"]
+    node_hi: Float[Array, "nodes d"]
+    node_min_index: Int[Array, " nodes"]
+    leaf_size: int = eqx.field(static=True)
+
+    def __init__(self, points: ArrayLike, *, leaf_size: int = 8):
+        """**Arguments:**
+
+        - `points`: the data, shape `(n, d)` with `d >= 1`. float32 and float64 are
+            kept as given; integers are promoted to the default float dtype. Must be
+            finite: NaN/inf raise `ValueError` eagerly, and an `eqx.error_if` runtime
+            error under `jax.jit`. `n = 0` gives an empty tree, whose queries return
+            only the missing-neighbour sentinels.
+        - `leaf_size`: points per leaf bucket (static Python int, a power of two,
+            default 8). Larger leaves make a shallower tree and more brute-force work
+            per visited leaf.
+        """
+        points = as_float_array("points", points)
+        check_points_shape("points", points)
+        leaf_size = check_static_int("leaf_size", leaf_size, 1)
+        if leaf_size & (leaf_size - 1):
+            raise ValueError(f"`leaf_size` must be a power of two, got {leaf_size}.")
+        points = check_finite("points", points)
+        n, _ = points.shape
+        depth = _tree_depth(n, leaf_size)
+        slots = leaf_size << depth
+        index_dtype = _index_dtype(slots)
+
+        coords = jnp.pad(lax.stop_gradient(points), ((0, slots - n), (0, 0)))
+        valid = jnp.arange(slots) < n
+        split = ft.partial(
+            _split_level, coords=coords, valid=valid, leaf_size=leaf_size, depth=depth
+        )
+        perm = lax.fori_loop(0, depth, split, jnp.arange(slots, dtype=index_dtype))
+
+        leaf_points = coords[perm]
+        leaf_valid = valid[perm]
+        leaf_indices = jnp.where(leaf_valid, perm, n).astype(index_dtype)
+        leaf_lo, leaf_hi = _leaf_extrema(leaf_points, leaf_valid, leaf_size)
+        leaf_min_index = leaf_indices.reshape(-1, leaf_size).min(axis=1)
+        internal = 2**depth - 1
+        d = points.shape[1]
+        lo = jnp.concatenate([jnp.full((internal, d), jnp.inf, points.dtype), leaf_lo])
+        hi = jnp.concatenate([jnp.full((internal, d), -jnp.inf, points.dtype), leaf_hi])
+        min_index = jnp.concatenate(
+            [jnp.full((internal,), n, index_dtype), leaf_min_index]
+        )
+        lo, hi, min_index = _internal_boxes(lo, hi, min_index, depth)
+
+        self.points = points
+        self.leaf_points = leaf_points
+        self.leaf_indices = leaf_indices
+        self.node_lo = lo
+        self.node_hi = hi
+        self.node_min_index = min_index
+        self.leaf_size = leaf_size
+
+    @property
+    def n(self) -> int:
+        """Number of points."""
+        return self.points.shape[-2]
+
+    @property
+    def d(self) -> int:
+        """Dimension of the points."""
+        return self.points.shape[-1]
+
+    @property
+    def num_leaves(self) -> int:
+        return self.leaf_points.shape[-2] // self.leaf_size
+
+    def query(
+        self,
+        x: ArrayLike,
+        k: int = 1,
+        *,
+        distance_upper_bound: float | ArrayLike = jnp.inf,
+    ) -> tuple[Float[Array, "*batch k"], Int[Array, "*batch k"]]:
+        """Finds the `k` nearest points to each query (Euclidean distance).
+
+        Semantics follow `scipy.spatial.cKDTree.query`, with two deliberate choices:
+        the trailing `k` axis is always present, and equal distances are ordered by
+        the lower index (scipy leaves the order of ties unspecified).
+
+        **Arguments:**
+
+        - `x`: queries, shape `(d,)` or `(..., d)`. Must be finite.
+        - `k`: number of neighbours, a static Python int `>= 1`. `k > n` is allowed.
+        - `distance_upper_bound`: only points at distance strictly less than this are
+            returned (a scalar, or one value per query of shape `(...)`).
+
+        **Returns:**
+
+        `(distances, indices)`, each of shape `(..., k)`, sorted by distance (ties by
+        index). `indices` are rows of `points`. Missing neighbours (fewer than `k`
+        points, or none within `distance_upper_bound`) are distance `inf` and index
+        `n`. `distances` are differentiable with respect to `x` and `points`.
+        """
+        return _query.knn(self, x, k, distance_upper_bound)

@@ -1,0 +1,82 @@
+"""Input checks shared by every entry point: shapes and dtypes, then values."""
+
+import equinox as eqx
+import jax
+import jax.core
+import jax.numpy as jnp
+import numpy as np
+
+from ._custom_types import Array, ArrayLike
+
+
+def as_float_array(name: str, value: ArrayLike, dtype=None) -> Array:
+    """Converts `value` to a real floating array, keeping float32/float64 as given.
+
+    Integers are promoted to the default float dtype (or `dtype` when given); complex
+    and boolean data have no meaning as coordinates and raise `TypeError`.
+    """
+    array = jnp.asarray(value)
+    if jnp.issubdtype(array.dtype, jnp.bool_):
+        raise TypeError(f"`{name}` must be real numbers, got a boolean array.")
+    if jnp.issubdtype(array.dtype, jnp.complexfloating):
+        raise TypeError(
+            f"`{name}` must be real, got complex dtype {array.dtype}; pass the real "
+            "coordinates (for example `jnp.stack([z.real, z.imag], -1)`)."
+        )
+    if dtype is not None:
+        return array.astype(dtype)
+    if not jnp.issubdtype(array.dtype, jnp.floating):
+        return array.astype(jnp.result_type(float))
+    return array
+
+
+def is_concrete(array: Array) -> bool:
+    return not isinstance(array, jax.core.Tracer)
+
+
+def check_finite(name: str, array: Array) -> Array:
+    """Rejects NaN and inf: eagerly with `ValueError`, under `jit` via `eqx.error_if`.
+
+    Returns `array` (under `jit`, the returned array carries the runtime check, so use
+    it in place of the input).
+    """
+    if is_concrete(array):
+        bad = ~np.isfinite(np.asarray(array))
+        if bad.any():
+            first = tuple(int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"`{name}` must be finite, but holds {int(bad.sum())} NaN/inf "
+                f"value(s) (first at index {first})."
+            )
+        return array
+    return eqx.error_if(
+        array, ~jnp.all(jnp.isfinite(array)), f"`{name}` must be finite (no NaN/inf)."
+    )
+
+
+def check_points_shape(name: str, array: Array) -> None:
+    if array.ndim != 2:
+        raise ValueError(
+            f"`{name}` must have shape (n, d), got shape {tuple(array.shape)}."
+        )
+    if array.shape[1] < 1:
+        raise ValueError(f"`{name}` must have d >= 1 columns, got shape {array.shape}.")
+
+
+def check_queries_shape(name: str, array: Array, d: int) -> None:
+    if array.ndim < 1 or array.shape[-1] != d:
+        raise ValueError(
+            f"`{name}` must have shape (..., {d}) to match the tree's points of "
+            f"dimension d={d}, got shape {tuple(array.shape)}."
+        )
+
+
+def check_static_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(
+            f"`{name}` must be a Python int (it is static: it fixes array shapes), "
+            f"got {type(value).__name__}."
+        )
+    if value < minimum:
+        raise ValueError(f"`{name}` must be >= {minimum}, got {value}.")
+    return int(value)
