@@ -27,7 +27,7 @@ def lexicographic_less(d2_a, index_a, d2_b, index_b):
 _KnnState = tuple[Float[Array, " k"], Int[Array, " k"]]
 
 
-class _KNearest(AbstractVisitor[_KnnState]):
+class _KNearest(AbstractVisitor):
     """Keeps the k best `(d2, index)` pairs, sorted lexicographically.
 
     Empty entries are `(bound2, -1)`: index -1 sorts before any real index of equal
@@ -49,7 +49,8 @@ class _KNearest(AbstractVisitor[_KnnState]):
         return lexicographic_less(box_d2, min_index, d2[-1], indices[-1])
 
     def visit_leaf(self, state, d2, indices) -> _KnnState:
-        return merge_k_best(*state, d2, indices)
+        best_d2, best_indices = state
+        return merge_k_best(best_d2, best_indices, d2, indices)
 
 
 def merge_k_best(best_d2, best_indices, d2, indices):

@@ -10,19 +10,19 @@ leaf, not once per node step.
 """
 
 import abc
-from typing import Generic, TypeVar
 
 import equinox as eqx
 import jax.lax as lax
 import jax.numpy as jnp
 
-from ._custom_types import Array, Bool, Float, Int
+from ._custom_types import Array, Bool, Float, Int, PyTree
 
 
-_State = TypeVar("_State")
+# A visitor's state: any pytree of arrays of fixed shape.
+_State = PyTree
 
 
-class AbstractVisitor(eqx.Module, Generic[_State]):
+class AbstractVisitor(eqx.Module):
     """What a query kind does at the nodes and leaves of the walk (one query)."""
 
     @abc.abstractmethod
@@ -56,7 +56,7 @@ def squared_distances(x, points):
     return jnp.sum(diff * diff, axis=-1)
 
 
-def walk(tree, x: Float[Array, " d"], visitor: AbstractVisitor[_State]) -> _State:
+def walk(tree, x: Float[Array, " d"], visitor: AbstractVisitor) -> _State:
     """Runs `visitor` over every leaf it does not prune, nearest subtrees first."""
     first_leaf = tree.num_leaves - 1
     leaf_size = tree.leaf_size
@@ -107,5 +107,4 @@ def walk(tree, x: Float[Array, " d"], visitor: AbstractVisitor[_State]) -> _Stat
     index_dtype = tree.leaf_indices.dtype
     root = (jnp.array(0, index_dtype), jnp.array(-1, index_dtype), visitor.init())
     walked = lax.while_loop(lambda c: c[0] >= 0, visit_then_move_on, to_next_leaf(root))
-    state: _State = walked[2]
-    return state
+    return walked[2]
