@@ -69,7 +69,11 @@ def merge_k_best(best_d2, best_indices, d2, indices):
     position = jnp.arange(leaf)
     candidate_before_candidate = lexicographic_less(
         d2[None, :], indices[None, :], d2[:, None], indices[:, None]
-    ) | ((d2[None, :] == d2[:, None]) & (position[None, :] < position[:, None]))
+    ) | (
+        (d2[None, :] == d2[:, None])
+        & (indices[None, :] == indices[:, None])
+        & (position[None, :] < position[:, None])
+    )
     candidate_rank = jnp.sum(~candidate_first, axis=0) + jnp.sum(
         candidate_before_candidate, axis=1
     )
@@ -99,6 +103,8 @@ def neighbour_distances(
     tree: "KDTree", x: Float[Array, "*batch d"], indices: Int[Array, "*batch k"]
 ) -> Float[Array, "*batch k"]:
     """Differentiable distances to the chosen rows of `points`; `inf` at sentinels."""
+    if tree.n == 0:
+        return jnp.full(indices.shape, jnp.inf, x.dtype)
     found = indices < tree.n
     rows = tree.points[jnp.where(found, indices, 0)]
     distance = safe_norm(x[..., None, :] - rows)

@@ -1,0 +1,682 @@
+"""Truncated Taylor arithmetic in array form.
+
+A truncated Taylor series of order `K` of an array-valued function `a(s)` about
+`s = 0` is stored as one array `A` of shape `(K + 1, *shape)`, coefficient axis first,
+holding the *normalised* coefficients `A[m] = a^(m)(0) / m!`. In this form a product is a
+Cauchy convolution, `d/ds` is a shift, and no factorial is ever formed.
+
+[`taylor_coefficients`][] traces a user function `t -> f(t)` to a jaxpr and interprets
+it equation by equation on such arrays. Each rule works on the whole coefficient axis at
+once; the nonlinear ones (`exp`, `sin`, `div`, ...) are recurrences run by one
+`lax.fori_loop` over the order, so the traced program has the same size for every `K`.
+
+Equations that do not depend on the expansion variable are evaluated as they are, with
+their own primitives, so constants (weights, `jnp.eye`, integer index arithmetic) need
+no rule at all. Nonsmooth primitives (`max`, `abs`, `select_n`, comparisons, ...) use
+the piece that is active at the expansion point.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import jax.lax as lax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, PyTree, Shaped
+
+
+class _Series:
+    """An environment value that depends on the expansion variable.
+
+    `coeffs` has shape `(K + 1, *aval.shape)`. Any other environment value is a
+    constant: a plain array whose higher coefficients are implicitly zero.
+    """
+
+    __slots__ = ("coeffs",)
+
+    def __init__(self, coeffs: Array):
+        self.coeffs = coeffs
+
+
+# ----------------------------------------------------------------------------------
+# Coefficient-array helpers. Every array below has the coefficient axis first.
+# ----------------------------------------------------------------------------------
+
+
+def _lift(x: Any, num_terms: int) -> Array:
+    """Coefficients of `x`: a series as is, a constant with zero higher terms."""
+    if isinstance(x, _Series):
+        return x.coeffs
+    x = jnp.asarray(x)
+    return jnp.concatenate([x[None], jnp.zeros((num_terms - 1,) + x.shape, x.dtype)])
+
+
+def _primal(x: Any) -> Any:
+    """Value at the expansion point."""
+    return x.coeffs[0] if isinstance(x, _Series) else x
+
+
+def _orders(num_terms: int, dtype: Any, ndim: int) -> Array:
+    """`[0, 1, ..., K]` shaped to broadcast against a `ndim`-dimensional array."""
+    return jnp.arange(num_terms, dtype=dtype).reshape((num_terms,) + (1,) * (ndim - 1))
+
+
+def _with_first(value: Array, num_terms: int) -> Array:
+    """A coefficient array whose only nonzero coefficient is the zeroth, `value`."""
+    return _lift(value, num_terms)
+
+
+def _flip_pad(a: Array) -> Array:
+    """`a` reversed along the coefficient axis, followed by as many zero rows.
+
+    Slicing `K + 1` rows of this at offset `K - m` gives `a[m - j]` at row `j` (zero for
+    `j > m`): the window a Cauchy convolution needs, with no masking and one dynamic
+    slice whatever `m` is.
+    """
+    return jnp.concatenate([jnp.flip(a, axis=0), jnp.zeros_like(a)])
+
+
+def _window(flipped: Array, m: Array | int) -> Array:
+    """Rows `a[m], a[m - 1], ..., a[0], 0, ...` from `flipped = _flip_pad(a)`."""
+    num_terms = flipped.shape[0] // 2
+    return lax.dynamic_slice_in_dim(flipped, num_terms - 1 - m, num_terms, axis=0)
+
+
+def _convolve_at(a: Array, flipped_b: Array, m: Array | int) -> Array:
+    """Coefficient `m` of the product `a * b`: `sum_j a[j] * b[m - j]`."""
+    return jnp.sum(a * _window(flipped_b, m), axis=0)
+
+
+def _derivative(a: Array) -> Array:
+    """Normalised coefficients of `da/ds`: `(m + 1) * a[m + 1]`, the last one zero."""
+    num_terms = a.shape[0]
+    scale = _orders(num_terms, a.dtype, a.ndim)[1:]
+    return jnp.concatenate([a[1:] * scale, jnp.zeros_like(a[:1])])
+
+
+def _integral(da: Array, a0: Array) -> Array:
+    """Coefficients of the antiderivative of `da` whose value at zero is `a0`."""
+    num_terms = da.shape[0]
+    scale = _orders(num_terms, da.dtype, da.ndim)[1:]
+    return jnp.concatenate([a0[None].astype(da.dtype), da[:-1] / scale])
+
+
+def cauchy_product(a: Array, b: Array) -> Array:
+    """Coefficients of the elementwise product of two series of the same shape."""
+    flipped_b = _flip_pad(b)
+    return lax.map(lambda m: _convolve_at(a, flipped_b, m), jnp.arange(a.shape[0]))
+
+
+def _divide(a: Array, b: Array) -> Array:
+    """Coefficients of `a / b`, from `y * b = a`: `y[m] = (a[m] - sum_{j<m} y[j]
+    b[m - j]) / b[0]`."""
+    flipped_b = _flip_pad(b)
+
+    def next_coefficient(m, y):
+        # y[m] is still zero here, so the convolution only sees the known terms.
+        return y.at[m].set((a[m] - _convolve_at(y, flipped_b, m)) / b[0])
+
+    return lax.fori_loop(0, a.shape[0], next_coefficient, jnp.zeros_like(a))
+
+
+def _sqrt(x: Array) -> Array:
+    """Coefficients of `sqrt(x)`, from `y * y = x`."""
+    y0 = jnp.sqrt(x[0])
+
+    def next_coefficient(m, y):
+        # With y[m] still zero the self-convolution is sum_{0<j<m} y[j] y[m-j].
+        return y.at[m].set((x[m] - _convolve_at(y, _flip_pad(y), m)) / (2 * y0))
+
+    return lax.fori_loop(1, x.shape[0], next_coefficient, _with_first(y0, x.shape[0]))
+
+
+def _power(x: Array, p: Array) -> Array:
+    """Coefficients of `x ** p` for a constant `p`, from `x y' = p x' y`.
+
+    Needs `x[0] != 0`; integer powers go through [`_integer_power`][] instead so that
+    `t ** 2` at `t = 0` works.
+    """
+    num_terms = x.shape[0]
+    weighted_x = _flip_pad(x * _orders(num_terms, x.dtype, x.ndim))
+    flipped_x = _flip_pad(x)
+    y0 = x[0] ** p
+
+    def next_coefficient(m, y):
+        mf = m.astype(x.dtype)
+        # m x0 y[m] = (p + 1) sum_j j x[j] y[m-j] - m sum_{j>=1} x[j] y[m-j]
+        ym = (p + 1) * _convolve_at(y, weighted_x, m) - mf * _convolve_at(
+            y, flipped_x, m
+        )
+        return y.at[m].set(ym / (mf * x[0]))
+
+    return lax.fori_loop(1, num_terms, next_coefficient, _with_first(y0, num_terms))
+
+
+def _integer_power(x: Array, n: int) -> Array:
+    """Coefficients of `x ** n` by repeated squaring (`n` is static)."""
+    if n < 0:
+        return _divide(_with_first(jnp.ones_like(x[0]), x.shape[0]), _integer_power(x, -n))
+    result = _with_first(jnp.ones_like(x[0]), x.shape[0])
+    square = x
+    while n:
+        if n & 1:
+            result = cauchy_product(result, square)
+        n >>= 1
+        if n:
+            square = cauchy_product(square, square)
+    return result
+
+
+def _riccati(x: Array, y0: Array, c0: float, c1: float, c2: float) -> Array:
+    """Coefficients of `y` with `y' = (c0 + c1 y + c2 y²) x'` and `y(0) = y0`.
+
+    One recurrence covers `exp` (0, 1, 0), `tanh` (1, 0, -1), `logistic` (0, 1, -1) and
+    `tan` (1, 0, 1). `u = c0 + c1 y + c2 y²` is carried alongside `y`.
+    """
+    num_terms = x.shape[0]
+    weighted_x = _flip_pad(x * _orders(num_terms, x.dtype, x.ndim))
+    y = _with_first(y0, num_terms)
+    u = _with_first(c0 + c1 * y0 + c2 * y0 * y0, num_terms)
+
+    def next_coefficient(m, carry):
+        y, u = carry
+        # m y[m] = sum_{j>=1} j x[j] u[m-j]; u[m] is still zero so only u[<m] is used.
+        ym = _convolve_at(u, weighted_x, m) / m.astype(x.dtype)
+        y = y.at[m].set(ym)
+        um = c1 * ym + c2 * _convolve_at(y, _flip_pad(y), m)
+        return y, u.at[m].set(um)
+
+    return lax.fori_loop(1, num_terms, next_coefficient, (y, u))[0]
+
+
+def _exp(x: Array) -> Array:
+    return _riccati(x, jnp.exp(x[0]), 0.0, 1.0, 0.0)
+
+
+def _sin_cos(x: Array, sign: float) -> tuple[Array, Array]:
+    """Coefficients of `(s, c)` with `s' = c x'`, `c' = sign * s x'`.
+
+    `sign = -1` gives `(sin x, cos x)`, `sign = +1` gives `(sinh x, cosh x)`.
+    """
+    num_terms = x.shape[0]
+    weighted_x = _flip_pad(x * _orders(num_terms, x.dtype, x.ndim))
+    if sign < 0:
+        s0, c0 = jnp.sin(x[0]), jnp.cos(x[0])
+    else:
+        s0, c0 = jnp.sinh(x[0]), jnp.cosh(x[0])
+
+    def next_coefficient(m, carry):
+        s, c = carry
+        mf = m.astype(x.dtype)
+        sm = _convolve_at(c, weighted_x, m) / mf
+        cm = sign * _convolve_at(s, weighted_x, m) / mf
+        return s.at[m].set(sm), c.at[m].set(cm)
+
+    init = (_with_first(s0, num_terms), _with_first(c0, num_terms))
+    return lax.fori_loop(1, num_terms, next_coefficient, init)
+
+
+def _log(x: Array) -> Array:
+    return _integral(_divide(_derivative(x), x), jnp.log(x[0]))
+
+
+def _integral_of(derivative: Array, value: Array, x: Array) -> Array:
+    """Coefficients of `y` with `y' = derivative * x'` and `y(0) = value`."""
+    return _integral(cauchy_product(derivative, _derivative(x)), value)
+
+
+def _one(x: Array) -> Array:
+    return _with_first(jnp.ones_like(x[0]), x.shape[0])
+
+
+# ----------------------------------------------------------------------------------
+# Rules. A rule maps the equation and its inputs (series or constants) to its outputs.
+# ----------------------------------------------------------------------------------
+
+
+def _num_terms(invals: Sequence[Any]) -> int:
+    return next(x.coeffs.shape[0] for x in invals if isinstance(x, _Series))
+
+
+def _is_inexact(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _out_avals(eqn: jex.JaxprEqn) -> list[Any]:
+    return [v.aval for v in eqn.outvars]
+
+
+def _bind(eqn: jex.JaxprEqn, *args: Any) -> Any:
+    return eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
+
+
+def _as_list(eqn: jex.JaxprEqn, out: Any) -> list[Any]:
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _elementwise_inputs(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list[Array]:
+    """Inputs lifted to series and broadcast to the output's shape.
+
+    Elementwise primitives may mix a rank-0 operand with a full-rank one.
+    """
+    (aval,) = _out_avals(eqn)
+    num_terms = _num_terms(invals)
+    shape = (num_terms,) + tuple(aval.shape)
+
+    def broadcast(x):
+        coeffs = _lift(x, num_terms)
+        # A rank-0 operand gets unit axes after the coefficient axis, not before.
+        missing = len(shape) - coeffs.ndim
+        coeffs = coeffs.reshape((num_terms,) + (1,) * missing + coeffs.shape[1:])
+        return jnp.broadcast_to(coeffs, shape)
+
+    return [broadcast(x) for x in invals]
+
+
+def _finish(eqn: jex.JaxprEqn, coeffs: Array) -> list[Any]:
+    (aval,) = _out_avals(eqn)
+    return [_Series(coeffs.astype(aval.dtype))]
+
+
+def _linear_rule(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """Primitives linear (or affine) in their floating inputs: apply per coefficient.
+
+    Floating constants are lifted (zero higher coefficients), which is right for the
+    additive primitives (`add`, `concatenate`, `pad`, `select_n` cases, ...); integer
+    and boolean operands (indices, predicates) are shared by every coefficient.
+    """
+    num_terms = _num_terms(invals)
+    args, axes = [], []
+    for x in invals:
+        if isinstance(x, _Series) or _is_inexact(x):
+            args.append(_lift(x, num_terms))
+            axes.append(0)
+        else:
+            args.append(x)
+            axes.append(None)
+    out = jax.vmap(lambda *a: _bind(eqn, *a), in_axes=axes)(*args)
+    return [_Series(o) for o in _as_list(eqn, out)]
+
+
+def _scaling_rule(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """A bilinear primitive with exactly one series input: linear in that input."""
+    axes = [0 if isinstance(x, _Series) else None for x in invals]
+    args = [x.coeffs if isinstance(x, _Series) else x for x in invals]
+    out = jax.vmap(lambda *a: _bind(eqn, *a), in_axes=axes)(*args)
+    return [_Series(out)]
+
+
+def _mul_rule(eqn, invals):
+    if not all(isinstance(x, _Series) for x in invals):
+        return _scaling_rule(eqn, invals)
+    a, b = _elementwise_inputs(eqn, invals)
+    return _finish(eqn, cauchy_product(a, b))
+
+
+def _dot_general_rule(eqn, invals):
+    if not all(isinstance(x, _Series) for x in invals):
+        return _scaling_rule(eqn, invals)
+    a, b = (x.coeffs for x in invals)
+    (contract_a, contract_b), (batch_a, batch_b) = eqn.params["dimension_numbers"]
+
+    def shift(dims):
+        return tuple(d + 1 for d in dims)
+
+    # Coefficient m is sum_j dot(a[j], b[m - j]): the coefficient axis of `a` and of
+    # the window of `b` is contracted along with the primitive's own contraction.
+    dimension_numbers = (
+        ((0,) + shift(contract_a), (0,) + shift(contract_b)),
+        (shift(batch_a), shift(batch_b)),
+    )
+    params = dict(eqn.params, dimension_numbers=dimension_numbers)
+    flipped_b = _flip_pad(b)
+
+    def coefficient(m):
+        return eqn.primitive.bind(a, _window(flipped_b, m), **params)
+
+    return _finish(eqn, lax.map(coefficient, jnp.arange(a.shape[0])))
+
+
+def _div_rule(eqn, invals):
+    numerator, denominator = invals
+    if not isinstance(denominator, _Series):
+        return _scaling_rule(eqn, invals)
+    a, b = _elementwise_inputs(eqn, invals)
+    return _finish(eqn, _divide(a, b))
+
+
+def _unary(fn: Callable[[Array], Array]) -> Callable:
+    def rule(eqn, invals):
+        (x,) = _elementwise_inputs(eqn, invals)
+        return _finish(eqn, fn(x))
+
+    return rule
+
+
+def _integer_pow_rule(eqn, invals):
+    (x,) = _elementwise_inputs(eqn, invals)
+    return _finish(eqn, _integer_power(x, int(eqn.params["y"])))
+
+
+def _pow_rule(eqn, invals):
+    base, exponent = invals
+    x, y = _elementwise_inputs(eqn, invals)
+    if not isinstance(exponent, _Series):
+        return _finish(eqn, _power(x, y[0]))
+    # x ** y = exp(y log x), with the value at zero taken from pow itself.
+    result = _exp(cauchy_product(y, _log(x)))
+    return _finish(eqn, result.at[0].set(x[0] ** y[0]))
+
+
+def _expm1(x):
+    return _exp(x).at[0].set(jnp.expm1(x[0]))
+
+
+def _log1p(x):
+    return _integral(_divide(_derivative(x), _one(x) + x), jnp.log1p(x[0]))
+
+
+def _tanh(x):
+    return _riccati(x, jnp.tanh(x[0]), 1.0, 0.0, -1.0)
+
+
+def _logistic(x):
+    return _riccati(x, jax.nn.sigmoid(x[0]), 0.0, 1.0, -1.0)
+
+
+def _tan(x):
+    return _riccati(x, jnp.tan(x[0]), 1.0, 0.0, 1.0)
+
+
+def _atan(x):
+    return _integral(
+        _divide(_derivative(x), _one(x) + cauchy_product(x, x)), jnp.arctan(x[0])
+    )
+
+
+def _asin(x):
+    root = _sqrt(_one(x) - cauchy_product(x, x))
+    return _integral(_divide(_derivative(x), root), jnp.arcsin(x[0]))
+
+
+def _acos(x):
+    root = _sqrt(_one(x) - cauchy_product(x, x))
+    return _integral(-_divide(_derivative(x), root), jnp.arccos(x[0]))
+
+
+def _asinh(x):
+    root = _sqrt(_one(x) + cauchy_product(x, x))
+    return _integral(_divide(_derivative(x), root), jnp.arcsinh(x[0]))
+
+
+def _acosh(x):
+    root = _sqrt(cauchy_product(x, x) - _one(x))
+    return _integral(_divide(_derivative(x), root), jnp.arccosh(x[0]))
+
+
+def _atanh(x):
+    return _integral(
+        _divide(_derivative(x), _one(x) - cauchy_product(x, x)), jnp.arctanh(x[0])
+    )
+
+
+def _erf(x):
+    gaussian = _exp(-cauchy_product(x, x)) * (2 / np.sqrt(np.pi))
+    return _integral_of(gaussian, jax.scipy.special.erf(x[0]), x)
+
+
+def _abs(x):
+    if jnp.iscomplexobj(x):
+        squared = cauchy_product(x.real, x.real) + cauchy_product(x.imag, x.imag)
+        return _sqrt(squared)
+    # The piece active at the expansion point: +x or -x.
+    return (x * jnp.sign(x[0])).at[0].set(jnp.abs(x[0]))
+
+
+def _atan2_rule(eqn, invals):
+    y, x = _elementwise_inputs(eqn, invals)
+    numerator = cauchy_product(x, _derivative(y)) - cauchy_product(y, _derivative(x))
+    denominator = cauchy_product(x, x) + cauchy_product(y, y)
+    return _finish(eqn, _integral(_divide(numerator, denominator), jnp.arctan2(y[0], x[0])))
+
+
+def _choose(pick_first: Array, a: Array, b: Array) -> Array:
+    """`a` where the expansion point chose it, `b` elsewhere, their mean at a tie.
+
+    The mean at a tie matches JAX's own derivative of `max` and `min`.
+    """
+    first, tie = pick_first
+    return jnp.where(tie, (a + b) / 2, jnp.where(first, a, b))
+
+
+def _max_rule(eqn, invals):
+    a, b = _elementwise_inputs(eqn, invals)
+    return _finish(eqn, _choose((a[0] > b[0], a[0] == b[0]), a, b))
+
+
+def _min_rule(eqn, invals):
+    a, b = _elementwise_inputs(eqn, invals)
+    return _finish(eqn, _choose((a[0] < b[0], a[0] == b[0]), a, b))
+
+
+def _clamp_rule(eqn, invals):
+    lo, x, hi = _elementwise_inputs(eqn, invals)
+    inner = jnp.where(x[0] > hi[0], hi, x)
+    return _finish(eqn, jnp.where(x[0] < lo[0], lo, inner))
+
+
+def _reduce_chooser_rule(eqn, invals):
+    """`reduce_max` / `reduce_min`: the coefficients at the extremal entries (averaged
+    over ties, as JAX's derivative does)."""
+    (x,) = invals
+    coeffs = x.coeffs
+    axes = tuple(eqn.params["axes"])
+    primal = coeffs[0]
+    if eqn.primitive.name == "reduce_max":
+        extreme = jnp.max(primal, axis=axes, keepdims=True)
+    else:
+        extreme = jnp.min(primal, axis=axes, keepdims=True)
+    chosen = primal == extreme
+    count = jnp.sum(chosen, axis=axes)
+    shifted = tuple(a + 1 for a in axes)
+    total = jnp.sum(jnp.where(chosen, coeffs, 0), axis=shifted)
+    return _finish(eqn, total / count)
+
+
+def _rem_rule(eqn, invals):
+    # rem(x, y) = x - y * trunc(x / y), with the quotient fixed at the expansion point.
+    x, y = _elementwise_inputs(eqn, invals)
+    quotient = jnp.trunc(x[0] / y[0])
+    result = x - quotient * y
+    return _finish(eqn, result.at[0].set(lax.rem(x[0], y[0])))
+
+
+def _cond_rule(eqn, invals):
+    """Expand the branch selected at the expansion point (the index is a constant)."""
+    index, *operands = invals
+    num_terms = _num_terms(operands)
+    is_series = [isinstance(x, _Series) for x in operands]
+    out_avals = _out_avals(eqn)
+
+    def expand_branch(closed):
+        def branch(*arrays):
+            vals = [_Series(a) if s else a for a, s in zip(arrays, is_series)]
+            outs = _eval_jaxpr(closed.jaxpr, closed.consts, vals)
+            # Every branch must return the same structure: floating outputs as series.
+            return [
+                _lift(o, num_terms) if _is_inexact_aval(aval) else _primal(o)
+                for o, aval in zip(outs, out_avals)
+            ]
+
+        return branch
+
+    arrays = [x.coeffs if isinstance(x, _Series) else x for x in operands]
+    branches = [expand_branch(b) for b in eqn.params["branches"]]
+    outs = lax.switch(index, branches, *arrays)
+    return [
+        _Series(o) if _is_inexact_aval(aval) else o for o, aval in zip(outs, out_avals)
+    ]
+
+
+def _is_inexact_aval(aval: Any) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+_LINEAR = (
+    "neg add sub add_any convert_element_type reshape broadcast_in_dim transpose "
+    "squeeze expand_dims slice dynamic_slice dynamic_update_slice gather scatter "
+    "scatter-add scatter_add concatenate stack pad select_n real imag conj complex "
+    "rev reduce_sum cumsum copy copy_p split reduce_precision sharding_constraint "
+    "optimization_barrier"
+).split()
+
+# Piecewise-constant primitives: their derivatives are zero wherever they exist.
+_PIECEWISE_CONSTANT = frozenset(
+    "sign floor ceil round stop_gradient is_finite nextafter".split()
+)
+
+_RULES: dict[str, Callable[[jex.JaxprEqn, Sequence[Any]], list[Any]]] = {
+    **{name: _linear_rule for name in _LINEAR},
+    "mul": _mul_rule,
+    "dot_general": _dot_general_rule,
+    "div": _div_rule,
+    "integer_pow": _integer_pow_rule,
+    "pow": _pow_rule,
+    "square": _unary(lambda x: cauchy_product(x, x)),
+    "sqrt": _unary(_sqrt),
+    "rsqrt": _unary(lambda x: _power(x, jnp.asarray(-0.5, x.dtype))),
+    "cbrt": _unary(lambda x: _power(x, jnp.asarray(1 / 3, x.dtype))),
+    "exp": _unary(_exp),
+    "exp2": _unary(lambda x: _exp(x * np.log(2)).at[0].set(jnp.exp2(x[0]))),
+    "expm1": _unary(_expm1),
+    "log": _unary(_log),
+    "log1p": _unary(_log1p),
+    "sin": _unary(lambda x: _sin_cos(x, -1.0)[0]),
+    "cos": _unary(lambda x: _sin_cos(x, -1.0)[1]),
+    "sinh": _unary(lambda x: _sin_cos(x, 1.0)[0]),
+    "cosh": _unary(lambda x: _sin_cos(x, 1.0)[1]),
+    "tan": _unary(_tan),
+    "tanh": _unary(_tanh),
+    "logistic": _unary(_logistic),
+    "atan": _unary(_atan),
+    "asin": _unary(_asin),
+    "acos": _unary(_acos),
+    "asinh": _unary(_asinh),
+    "acosh": _unary(_acosh),
+    "atanh": _unary(_atanh),
+    "erf": _unary(_erf),
+    "abs": _unary(_abs),
+    "atan2": _atan2_rule,
+    "max": _max_rule,
+    "min": _min_rule,
+    "clamp": _clamp_rule,
+    "reduce_max": _reduce_chooser_rule,
+    "reduce_min": _reduce_chooser_rule,
+    "rem": _rem_rule,
+    "cond": _cond_rule,
+}
+
+# Primitives whose body is another jaxpr that can simply be inlined. For custom_jvp
+# and custom_vjp functions this expands the primal function: exactly the function
+# whose Taylor coefficients are asked for.
+_INLINE_PARAM = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "remat": "jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+}
+
+
+# ----------------------------------------------------------------------------------
+# The interpreter.
+# ----------------------------------------------------------------------------------
+
+
+def _eval_eqn(eqn: jex.JaxprEqn, invals: list[Any]) -> list[Any]:
+    name = eqn.primitive.name
+    if not any(isinstance(x, _Series) for x in invals):
+        return _as_list(eqn, _bind(eqn, *invals))
+    if name in _INLINE_PARAM:
+        body = eqn.params[_INLINE_PARAM[name]]
+        if isinstance(body, jex.ClosedJaxpr):
+            return _eval_jaxpr(body.jaxpr, body.consts, invals)
+        return _eval_jaxpr(body, [], invals)
+    if name in _PIECEWISE_CONSTANT or not any(
+        _is_inexact_aval(a) for a in _out_avals(eqn)
+    ):
+        # Integer and boolean results (comparisons, argmax, casts to int) are
+        # piecewise constant in s: their value at the expansion point is the series.
+        return _as_list(eqn, _bind(eqn, *map(_primal, invals)))
+    rule = _RULES.get(name)
+    if rule is None:
+        raise NotImplementedError(
+            f"kdeqx cannot expand the primitive `{name}` in a Taylor series: it is "
+            "applied to a value that depends on t. Rewrite that part of the function "
+            "with supported operations (arithmetic, matmul, exp/log/sin/cos/tanh/..., "
+            "where/max/abs, reshapes and indexing, lax.cond), or compute it outside "
+            "the function if it does not depend on t."
+        )
+    return rule(eqn, invals)
+
+
+def _eval_jaxpr(
+    jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any]
+) -> list[Any]:
+    env: dict[Any, Any] = {}
+
+    def read(v):
+        return v.val if isinstance(v, jex.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+        env[v] = x
+    for eqn in jaxpr.eqns:
+        outvals = _eval_eqn(eqn, [read(v) for v in eqn.invars])
+        for v, x in zip(eqn.outvars, outvals):
+            if not isinstance(v, jex.DropVar):
+                env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _identity_series(t: Float[Array, ""], num_terms: int) -> Float[Array, " terms"]:
+    """Coefficients of `s -> t + s`: `[t, 1, 0, ..., 0]`."""
+    orders = jnp.arange(num_terms)
+    return jnp.where(orders == 0, t, jnp.where(orders == 1, 1, 0)).astype(t.dtype)
+
+
+def taylor_coefficients(
+    fn: Callable[[Array], PyTree[Array]], t: Float[Array, ""], order: int
+) -> PyTree[Shaped[Array, "terms ..."]]:
+    """Normalised Taylor coefficients of `s -> fn(t + s)` at `s = 0`.
+
+    **Arguments:**
+
+    - `fn`: a function of a real scalar returning an array or a pytree of arrays. It
+        may close over arrays (including tracers), so gradients with respect to its
+        parameters flow through the result.
+    - `t`: the expansion point, a real floating scalar.
+    - `order`: the truncation order `K` (static).
+
+    **Returns:**
+
+    The structure `fn` returns, each array `y` replaced by an array of shape
+    `(K + 1, *y.shape)` whose row `m` is `y^(m)(t) / m!`.
+
+    Raises `NotImplementedError` naming the primitive when part of `fn` that depends
+    on `t` has no Taylor rule.
+    """
+    closed, out_shapes = jax.make_jaxpr(fn, return_shape=True)(t)
+    num_terms = order + 1
+    seed = _Series(_identity_series(t, num_terms))
+    outs = _eval_jaxpr(closed.jaxpr, closed.consts, [seed])
+    coeffs = [_lift(o, num_terms) for o in outs]
+    return jax.tree.unflatten(jax.tree.structure(out_shapes), coeffs)

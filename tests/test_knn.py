@@ -1,0 +1,135 @@
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.spatial import cKDTree
+
+import kdeqx
+
+from .helpers import (
+    DATASETS,
+    DTYPES,
+    assert_knn_correct,
+    jit_query,
+    lattice_queries,
+)
+
+
+N = 300  # one size for all data sets, so the compiled query is reused across them
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [1, 2, 3, 8])
+@pytest.mark.parametrize("dataset", list(DATASETS))
+def test_knn_matches_brute_force(dataset, d, dtype):
+    rng = np.random.default_rng([list(DATASETS).index(dataset), d])
+    points = DATASETS[dataset](rng, N, d).astype(dtype)
+    if dataset == "lattice":
+        x = lattice_queries(rng, 64, d).astype(dtype)
+    else:
+        span = points.max(0) - points.min(0) + 0.1
+        x = (points.min(0) - 0.05 + span * rng.random((64, d))).astype(dtype)
+        x[:8] = points[:8]  # queries exactly at data points: zero distances
+    tree = kdeqx.KDTree(points)
+    exact = dtype == np.float64 or dataset in ("lattice", "duplicates")
+    for k in (1, 4, 16):
+        distances, indices = jit_query(tree, x, k)
+        assert distances.shape == (64, k) and indices.shape == (64, k)
+        assert distances.dtype == dtype
+        assert_knn_correct(points, x, k, distances, indices, exact_ties=exact)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [2, 3])
+def test_knn_matches_scipy(d, dtype):
+    rng = np.random.default_rng(d)
+    points = rng.random((2000, d)).astype(dtype)
+    x = rng.random((500, d)).astype(dtype)
+    distances, indices = jit_query(kdeqx.KDTree(points), x, 8)
+    ref_d, ref_i = cKDTree(points.astype(np.float64)).query(x.astype(np.float64), 8)
+    rtol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(distances, ref_d, rtol=rtol)
+    if dtype == np.float64:
+        np.testing.assert_array_equal(indices, ref_i)
+    else:  # float32 rounding may swap neighbours whose distances agree to ~1e-7
+        agree = np.mean(np.asarray(indices) == ref_i)
+        assert agree > 0.999
+
+
+def test_ties_are_ordered_by_lower_index():
+    # Every point coincides: all distances tie, so the answer is the lowest indices.
+    points = np.zeros((50, 2))
+    distances, indices = jit_query(kdeqx.KDTree(points), np.array([[1.0, 0.0]]), 4)
+    np.testing.assert_array_equal(indices, [[0, 1, 2, 3]])
+    np.testing.assert_array_equal(distances, [[1.0] * 4])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_k_larger_than_n_pads_with_sentinels(dtype):
+    points = np.array([[0.0, 0.0], [1.0, 0.0], [0.0, 2.0]], dtype)
+    distances, indices = kdeqx.KDTree(points).query(np.zeros(2, dtype), k=5)
+    np.testing.assert_array_equal(indices, [0, 1, 2, 3, 3])
+    np.testing.assert_allclose(distances, [0.0, 1.0, 2.0, np.inf, np.inf])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_distance_upper_bound_is_strict_like_scipy(dtype):
+    rng = np.random.default_rng(0)
+    points = rng.random((400, 3)).astype(dtype)
+    x = rng.random((50, 3)).astype(dtype)
+    tree = kdeqx.KDTree(points)
+    distances, indices = jit_query(tree, x, 6, 0.1)
+    assert_knn_correct(points, x, 6, distances, indices, exact_ties=True, ub=0.1)
+    ref_d, ref_i = cKDTree(points).query(x, 6, distance_upper_bound=0.1)
+    np.testing.assert_array_equal(indices, ref_i)
+    # A point exactly at the bound is excluded, as in scipy.
+    line = kdeqx.KDTree(np.array([[0.0], [1.0], [2.0]], dtype))
+    _, indices = line.query(np.zeros(1, dtype), 3, distance_upper_bound=1.0)
+    np.testing.assert_array_equal(indices, [0, 3, 3])
+
+
+def test_distance_upper_bound_per_query():
+    points = np.arange(10.0)[:, None]
+    bounds = np.array([0.5, 1.5, 2.5])
+    x = np.zeros((3, 1))
+    distances, indices = kdeqx.KDTree(points).query(x, 4, distance_upper_bound=bounds)
+    np.testing.assert_array_equal(indices, [[0, 10, 10, 10], [0, 1, 10, 10], [0, 1, 2, 10]])
+    assert np.isinf(distances[0, 1:]).all()
+
+
+def test_query_shapes():
+    rng = np.random.default_rng(1)
+    tree = kdeqx.KDTree(rng.random((100, 3)))
+    distances, indices = tree.query(rng.random(3), k=2)
+    assert distances.shape == indices.shape == (2,)
+    distances, indices = tree.query(rng.random((2, 5, 3)), k=3)
+    assert distances.shape == indices.shape == (2, 5, 3)
+    distances, indices = tree.query(np.zeros((0, 3)), k=3)
+    assert distances.shape == (0, 3)
+
+
+@pytest.mark.parametrize("leaf_size", [1, 2, 16, 64])
+def test_leaf_size_does_not_change_answers(leaf_size):
+    rng = np.random.default_rng(2)
+    points = rng.random((333, 3))
+    x = rng.random((40, 3))
+    distances, indices = kdeqx.KDTree(points, leaf_size=leaf_size).query(x, 5)
+    assert_knn_correct(points, x, 5, distances, indices, exact_ties=True)
+
+
+def test_single_point_and_empty_tree():
+    one = kdeqx.KDTree(jnp.array([[1.0, 2.0]]))
+    distances, indices = one.query(jnp.array([1.0, 3.0]), 2)
+    np.testing.assert_allclose(distances, [1.0, np.inf])
+    np.testing.assert_array_equal(indices, [0, 1])
+    empty = kdeqx.KDTree(jnp.zeros((0, 2)))
+    distances, indices = empty.query(jnp.ones((4, 2)), 3)
+    assert np.isinf(distances).all() and (np.asarray(indices) == 0).all()
+
+
+def test_huge_and_tiny_coordinates():
+    rng = np.random.default_rng(3)
+    for scale in (1e-30, 1e30):
+        points = rng.random((200, 3)) * scale
+        x = rng.random((20, 3)) * scale
+        distances, indices = kdeqx.KDTree(points).query(x, 4)
+        assert_knn_correct(points, x, 4, distances, indices, exact_ties=True)
