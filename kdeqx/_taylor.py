@@ -1,9 +1,9 @@
 """Truncated Taylor arithmetic in array form.
 
 A truncated Taylor series of order `K` of an array-valued function `a(s)` about
-`s = 0` is stored as one array `A` of shape `(K + 1, *shape)`, coefficient axis first,
-holding the *normalised* coefficients `A[m] = a^(m)(0) / m!`. In this form a product is a
-Cauchy convolution, `d/ds` is a shift, and no factorial is ever formed.
+`s = 0` is stored as one array `A` of shape `(K + 1, *shape)`, coefficient axis
+first, holding the *normalised* coefficients `A[m] = a^(m)(0) / m!`. In this form a
+product is a Cauchy convolution, `d/ds` is a shift, and no factorial is ever formed.
 
 [`taylor_coefficients`][] traces a user function `t -> f(t)` to a jaxpr and interprets
 it equation by equation on such arrays. Each rule works on the whole coefficient axis at
@@ -157,7 +157,9 @@ def _power(x: Array, p: Array) -> Array:
 def _integer_power(x: Array, n: int) -> Array:
     """Coefficients of `x ** n` by repeated squaring (`n` is static)."""
     if n < 0:
-        return _divide(_with_first(jnp.ones_like(x[0]), x.shape[0]), _integer_power(x, -n))
+        return _divide(
+            _with_first(jnp.ones_like(x[0]), x.shape[0]), _integer_power(x, -n)
+        )
     result = _with_first(jnp.ones_like(x[0]), x.shape[0])
     square = x
     while n:
@@ -431,34 +433,35 @@ def _abs(x):
     if jnp.iscomplexobj(x):
         squared = cauchy_product(x.real, x.real) + cauchy_product(x.imag, x.imag)
         return _sqrt(squared)
-    # The piece active at the expansion point: +x or -x.
-    return (x * jnp.sign(x[0])).at[0].set(jnp.abs(x[0]))
+    # The piece active at the expansion point: +x or -x (+x at zero, as JAX does).
+    return jnp.where(x[0] >= 0, x, -x)
 
 
 def _atan2_rule(eqn, invals):
     y, x = _elementwise_inputs(eqn, invals)
     numerator = cauchy_product(x, _derivative(y)) - cauchy_product(y, _derivative(x))
     denominator = cauchy_product(x, x) + cauchy_product(y, y)
-    return _finish(eqn, _integral(_divide(numerator, denominator), jnp.arctan2(y[0], x[0])))
+    return _finish(
+        eqn, _integral(_divide(numerator, denominator), jnp.arctan2(y[0], x[0]))
+    )
 
 
-def _choose(pick_first: Array, a: Array, b: Array) -> Array:
+def _choose(first: Array, tie: Array, a: Array, b: Array) -> Array:
     """`a` where the expansion point chose it, `b` elsewhere, their mean at a tie.
 
     The mean at a tie matches JAX's own derivative of `max` and `min`.
     """
-    first, tie = pick_first
     return jnp.where(tie, (a + b) / 2, jnp.where(first, a, b))
 
 
 def _max_rule(eqn, invals):
     a, b = _elementwise_inputs(eqn, invals)
-    return _finish(eqn, _choose((a[0] > b[0], a[0] == b[0]), a, b))
+    return _finish(eqn, _choose(a[0] > b[0], a[0] == b[0], a, b))
 
 
 def _min_rule(eqn, invals):
     a, b = _elementwise_inputs(eqn, invals)
-    return _finish(eqn, _choose((a[0] < b[0], a[0] == b[0]), a, b))
+    return _finish(eqn, _choose(a[0] < b[0], a[0] == b[0], a, b))
 
 
 def _clamp_rule(eqn, invals):
