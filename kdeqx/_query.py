@@ -2,6 +2,7 @@
 
 from typing import TYPE_CHECKING
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 
@@ -122,9 +123,13 @@ def knn(
 ) -> tuple[Float[Array, "*batch k"], Int[Array, "*batch k"]]:
     k = check_static_int("k", k, 1)
     x = prepare_queries(tree, x)
+    bound = jnp.broadcast_to(jnp.asarray(distance_upper_bound, x.dtype), x.shape[:-1])
+    return _knn(tree, x, bound, k)
+
+
+@eqx.filter_jit
+def _knn(tree: "KDTree", x, bound, k: int):
     batch = x.shape[:-1]
-    dtype = tree.points.dtype
-    bound = jnp.broadcast_to(jnp.asarray(distance_upper_bound, dtype), batch)
     index_dtype = tree.leaf_indices.dtype
 
     def one_query(xi, bound_i):

@@ -109,6 +109,36 @@ def _internal_boxes(lo, hi, min_index, depth):
     return lax.fori_loop(0, depth, merge_children, (lo, hi, min_index))
 
 
+@ft.partial(jax.jit, static_argnames="leaf_size")
+def _build(points: Float[Array, "n d"], leaf_size: int):
+    """The search arrays: leaf slots (points, indices) and node boxes (heap order)."""
+    n, _ = points.shape
+    depth = _tree_depth(n, leaf_size)
+    slots = leaf_size << depth
+    index_dtype = _index_dtype(slots)
+
+    coords = jnp.pad(lax.stop_gradient(points), ((0, slots - n), (0, 0)))
+    valid = jnp.arange(slots) < n
+    split = ft.partial(
+        _split_level, coords=coords, valid=valid, leaf_size=leaf_size, depth=depth
+    )
+    perm = lax.fori_loop(0, depth, split, jnp.arange(slots, dtype=index_dtype))
+
+    leaf_points = coords[perm]
+    leaf_valid = valid[perm]
+    leaf_indices = jnp.where(leaf_valid, perm, n).astype(index_dtype)
+    leaf_lo, leaf_hi = _leaf_extrema(leaf_points, leaf_valid, leaf_size)
+    leaf_min_index = leaf_indices.reshape(-1, leaf_size).min(axis=1)
+    internal = 2**depth - 1
+    d = points.shape[1]
+    lo = jnp.concatenate([jnp.full((internal, d), jnp.inf, points.dtype), leaf_lo])
+    hi = jnp.concatenate([jnp.full((internal, d), -jnp.inf, points.dtype), leaf_hi])
+    min_index = jnp.concatenate([jnp.full((internal,), n, index_dtype), leaf_min_index])
+    lo, hi, min_index = _internal_boxes(lo, hi, min_index, depth)
+
+    return leaf_points, leaf_indices, lo, hi, min_index
+
+
 class KDTree(eqx.Module):
     """An exact k-d tree over `n` points in `d` dimensions, built and queried in JAX.
 
@@ -152,38 +182,10 @@ class KDTree(eqx.Module):
         if leaf_size & (leaf_size - 1):
             raise ValueError(f"`leaf_size` must be a power of two, got {leaf_size}.")
         points = check_finite("points", points)
-        n, _ = points.shape
-        depth = _tree_depth(n, leaf_size)
-        slots = leaf_size << depth
-        index_dtype = _index_dtype(slots)
-
-        coords = jnp.pad(lax.stop_gradient(points), ((0, slots - n), (0, 0)))
-        valid = jnp.arange(slots) < n
-        split = ft.partial(
-            _split_level, coords=coords, valid=valid, leaf_size=leaf_size, depth=depth
-        )
-        perm = lax.fori_loop(0, depth, split, jnp.arange(slots, dtype=index_dtype))
-
-        leaf_points = coords[perm]
-        leaf_valid = valid[perm]
-        leaf_indices = jnp.where(leaf_valid, perm, n).astype(index_dtype)
-        leaf_lo, leaf_hi = _leaf_extrema(leaf_points, leaf_valid, leaf_size)
-        leaf_min_index = leaf_indices.reshape(-1, leaf_size).min(axis=1)
-        internal = 2**depth - 1
-        d = points.shape[1]
-        lo = jnp.concatenate([jnp.full((internal, d), jnp.inf, points.dtype), leaf_lo])
-        hi = jnp.concatenate([jnp.full((internal, d), -jnp.inf, points.dtype), leaf_hi])
-        min_index = jnp.concatenate(
-            [jnp.full((internal,), n, index_dtype), leaf_min_index]
-        )
-        lo, hi, min_index = _internal_boxes(lo, hi, min_index, depth)
-
+        arrays = _build(points, leaf_size)
+        self.leaf_points, self.leaf_indices = arrays[:2]
+        self.node_lo, self.node_hi, self.node_min_index = arrays[2:]
         self.points = points
-        self.leaf_points = leaf_points
-        self.leaf_indices = leaf_indices
-        self.node_lo = lo
-        self.node_hi = hi
-        self.node_min_index = min_index
         self.leaf_size = leaf_size
 
     @property

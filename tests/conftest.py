@@ -1,5 +1,5 @@
 import jax
 
 
-# float64 tests need x64; float32 tests pass dtypes explicitly, so enabling it loses nothing.
+# float64 tests need x64; float32 tests pass dtypes explicitly, so it is harmless.
 jax.config.update("jax_enable_x64", True)

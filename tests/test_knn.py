@@ -1,14 +1,13 @@
 import jax.numpy as jnp
+import kdeqx
 import numpy as np
 import pytest
 from scipy.spatial import cKDTree
 
-import kdeqx
-
 from .helpers import (
+    assert_knn_correct,
     DATASETS,
     DTYPES,
-    assert_knn_correct,
     jit_query,
     lattice_queries,
 )
@@ -92,7 +91,9 @@ def test_distance_upper_bound_per_query():
     bounds = np.array([0.5, 1.5, 2.5])
     x = np.zeros((3, 1))
     distances, indices = kdeqx.KDTree(points).query(x, 4, distance_upper_bound=bounds)
-    np.testing.assert_array_equal(indices, [[0, 10, 10, 10], [0, 1, 10, 10], [0, 1, 2, 10]])
+    np.testing.assert_array_equal(
+        indices, [[0, 10, 10, 10], [0, 1, 10, 10], [0, 1, 2, 10]]
+    )
     assert np.isinf(distances[0, 1:]).all()
 
 

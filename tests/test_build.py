@@ -1,0 +1,92 @@
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import kdeqx
+import numpy as np
+import pytest
+
+from .helpers import DATASETS, DTYPES
+
+
+def _leaves_of(tree):
+    shape = (tree.num_leaves, tree.leaf_size)
+    return (
+        np.asarray(tree.leaf_points).reshape(*shape, tree.d),
+        np.asarray(tree.leaf_indices).reshape(shape),
+    )
+
+
+@pytest.mark.parametrize("dataset", list(DATASETS))
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 100, 1000])
+def test_every_point_lands_in_exactly_one_slot(dataset, n):
+    points = DATASETS[dataset](np.random.default_rng(n), n, 3)
+    tree = kdeqx.KDTree(points)
+    indices = np.asarray(tree.leaf_indices)
+    real = indices[indices < n]
+    np.testing.assert_array_equal(np.sort(real), np.arange(n))
+    assert (indices[indices >= n] == n).all()
+    np.testing.assert_array_equal(
+        np.asarray(tree.leaf_points)[indices < n], points[real]
+    )
+
+
+@pytest.mark.parametrize("dataset", list(DATASETS))
+def test_node_boxes_are_tight_and_nested(dataset):
+    points = DATASETS[dataset](np.random.default_rng(0), 500, 3)
+    tree = kdeqx.KDTree(points)
+    lo, hi = np.asarray(tree.node_lo), np.asarray(tree.node_hi)
+    min_index = np.asarray(tree.node_min_index)
+    leaf_points, leaf_indices = _leaves_of(tree)
+    first_leaf = tree.num_leaves - 1
+    for leaf, (pts, idx) in enumerate(zip(leaf_points, leaf_indices)):
+        real = idx < tree.n
+        node = first_leaf + leaf
+        if real.any():
+            np.testing.assert_array_equal(lo[node], pts[real].min(0))
+            np.testing.assert_array_equal(hi[node], pts[real].max(0))
+            assert min_index[node] == idx[real].min()
+        else:
+            assert np.isposinf(lo[node]).all() and np.isneginf(hi[node]).all()
+    for node in range(first_leaf):
+        children = [2 * node + 1, 2 * node + 2]
+        np.testing.assert_array_equal(lo[node], lo[children].min(0))
+        np.testing.assert_array_equal(hi[node], hi[children].max(0))
+        assert min_index[node] == min_index[children].min()
+
+
+def test_median_split_balances_the_tree():
+    # Every leaf but the last ones (which take the padding) is full.
+    tree = kdeqx.KDTree(np.random.default_rng(0).random((1000, 2)))
+    _, leaf_indices = _leaves_of(tree)
+    counts = (leaf_indices < tree.n).sum(1)
+    assert counts.sum() == 1000 and counts.max() == tree.leaf_size
+    assert tree.num_leaves == 128
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dtype_is_kept(dtype):
+    tree = kdeqx.KDTree(np.ones((10, 2), dtype))
+    assert tree.points.dtype == dtype and tree.leaf_points.dtype == dtype
+    distances, _ = tree.query(np.zeros(2, dtype), 1)
+    assert distances.dtype == dtype
+
+
+def test_integer_points_become_default_float():
+    tree = kdeqx.KDTree(np.arange(12).reshape(6, 2))
+    assert tree.points.dtype == jnp.result_type(float)
+
+
+def test_build_under_jit_and_eager_agree():
+    points = np.random.default_rng(1).random((300, 3))
+    eager = kdeqx.KDTree(points)
+    jitted = jax.jit(kdeqx.KDTree)(points)
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_eval_shape_gives_the_skeleton():
+    points = jax.ShapeDtypeStruct((1000, 3), jnp.float32)
+    skeleton = eqx.filter_eval_shape(kdeqx.KDTree, points)
+    real = kdeqx.KDTree(np.zeros((1000, 3), np.float32))
+    shapes = lambda t: [(a.shape, a.dtype) for a in jax.tree.leaves(t)]  # noqa: E731
+    assert shapes(skeleton) == shapes(real)

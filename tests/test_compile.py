@@ -1,0 +1,60 @@
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import kdeqx
+import numpy as np
+
+
+def _count_equations(jaxpr) -> int:
+    """Equations in a jaxpr, including those of every nested jaxpr (loops, conds)."""
+    total = 0
+    for equation in jaxpr.eqns:
+        total += 1
+        for param in equation.params.values():
+            for sub in param if isinstance(param, list | tuple) else [param]:
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    total += _count_equations(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    total += _count_equations(sub)
+    return total
+
+
+def _query_size(n):
+    tree = eqx.filter_eval_shape(
+        kdeqx.KDTree, jax.ShapeDtypeStruct((n, 3), jnp.float32)
+    )
+    x = jax.ShapeDtypeStruct((64, 3), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda t, x: t.query(x, 8))(tree, x)
+    return _count_equations(jaxpr.jaxpr)
+
+
+def _build_size(n):
+    points = jax.ShapeDtypeStruct((n, 3), jnp.float32)
+    return _count_equations(jax.make_jaxpr(kdeqx.KDTree)(points).jaxpr)
+
+
+def test_query_program_does_not_grow_with_n():
+    assert _query_size(1_000) == _query_size(100_000) == _query_size(14_000_000)
+
+
+def test_build_program_does_not_grow_with_n():
+    assert _build_size(1_000) == _build_size(100_000) == _build_size(14_000_000)
+
+
+def test_no_retracing_for_new_data_of_the_same_shape():
+    @eqx.filter_jit
+    @eqx.debug.assert_max_traces(max_traces=1)
+    def build_and_query(points, x):
+        return kdeqx.KDTree(points).query(x, 4)
+
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        build_and_query(rng.random((100, 2)), rng.random((10, 2)))
+
+    @eqx.filter_jit
+    @eqx.debug.assert_max_traces(max_traces=1)
+    def query(tree, x):
+        return tree.query(x, 4)
+
+    for _ in range(3):
+        query(kdeqx.KDTree(rng.random((100, 2))), rng.random((10, 2)))
