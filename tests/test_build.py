@@ -1,9 +1,10 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import kdeqx
 import numpy as np
 import pytest
+
+import kdeqx
 
 from .helpers import DATASETS, DTYPES
 

@@ -1,8 +1,9 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import kdeqx
 import numpy as np
+
+import kdeqx
 
 
 def _count_equations(jaxpr) -> int:

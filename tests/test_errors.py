@@ -1,8 +1,9 @@
 import equinox as eqx
 import jax
-import kdeqx
 import numpy as np
 import pytest
+
+import kdeqx
 
 
 @pytest.mark.parametrize("shape", [(5,), (2, 3, 4), ()])

@@ -3,8 +3,9 @@ import functools as ft
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import kdeqx
 import numpy as np
+
+import kdeqx
 
 
 def _central_difference(f, x, eps=1e-6):

@@ -1,8 +1,9 @@
 import jax.numpy as jnp
-import kdeqx
 import numpy as np
 import pytest
 from scipy.spatial import cKDTree
+
+import kdeqx
 
 from .helpers import (
     assert_knn_correct,

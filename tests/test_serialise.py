@@ -1,8 +1,9 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import kdeqx
 import numpy as np
+
+import kdeqx
 
 
 def test_serialise_round_trip_into_an_eval_shape_skeleton(tmp_path):

@@ -1,7 +1,8 @@
 import jax
-import kdeqx
 import numpy as np
 import pytest
+
+import kdeqx
 
 from .helpers import DTYPES
 
