@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from ._custom_types import Array, ArrayLike, Bool, Float, Int
+from ._metric import minimum_image, safe_norm
 from ._traverse import AbstractVisitor, walk
 from ._validate import (
     as_float_array,
@@ -93,13 +94,6 @@ def merge_k_best(best_d2, best_indices, d2, indices):
     )
 
 
-def safe_norm(diff: Float[Array, "... d"]) -> Float[Array, "..."]:
-    """Euclidean norm over the last axis whose gradient at zero is zero, not NaN."""
-    d2 = jnp.sum(diff * diff, axis=-1)
-    positive = d2 > 0
-    return jnp.where(positive, jnp.sqrt(jnp.where(positive, d2, 1)), 0)
-
-
 def neighbour_distances(
     tree: "KDTree", x: Float[Array, "*batch d"], indices: Int[Array, "*batch k"]
 ) -> Float[Array, "*batch k"]:
@@ -108,7 +102,7 @@ def neighbour_distances(
         return jnp.full(indices.shape, jnp.inf, x.dtype)
     found = indices < tree.n
     rows = tree.points[jnp.where(found, indices, 0)]
-    distance = safe_norm(x[..., None, :] - rows)
+    distance = safe_norm(minimum_image(x[..., None, :] - rows, tree.period))
     return jnp.where(found, distance, jnp.inf)
 
 

@@ -16,6 +16,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 
 from ._custom_types import Array, Bool, Float, Int, PyTree
+from ._metric import squared_distance_to_box, squared_distances, wrap_into_box
 
 
 # A visitor's state: any pytree of arrays of fixed shape.
@@ -46,23 +47,6 @@ class AbstractVisitor(eqx.Module):
         """Folds one leaf's points into the state; padding slots have `d2 = inf`."""
 
 
-def squared_distance_to_box(x, lo, hi):
-    """A lower bound on the squared distance from `x` to any point in the box.
-
-    It is shrunk by a few ulps per dimension: a point on the box's nearest corner has
-    the same exact distance, but the two sums may round differently (fused or not), and
-    a bound one ulp too high would prune a tie that must be visited.
-    """
-    gap = jnp.maximum(jnp.maximum(lo - x, x - hi), 0)
-    slack = 4 * (x.shape[-1] + 2) * jnp.finfo(x.dtype).eps
-    return jnp.sum(gap * gap, axis=-1) * (1 - slack)
-
-
-def squared_distances(x, points):
-    diff = points - x
-    return jnp.sum(diff * diff, axis=-1)
-
-
 def walk(tree, x: Float[Array, " d"], visitor: AbstractVisitor) -> _State:
     """Runs `visitor` over every leaf it does not prune, nearest subtrees first."""
     first_leaf = tree.num_leaves - 1
@@ -70,7 +54,8 @@ def walk(tree, x: Float[Array, " d"], visitor: AbstractVisitor) -> _State:
     leaf_points = lax.stop_gradient(tree.leaf_points)
     node_lo = lax.stop_gradient(tree.node_lo)
     node_hi = lax.stop_gradient(tree.node_hi)
-    x = lax.stop_gradient(x)
+    period = None if tree.period is None else lax.stop_gradient(tree.period)
+    x = wrap_into_box(lax.stop_gradient(x), period)
 
     def move(carry):
         """One step from an internal node: down to a child, or back up to the parent."""
@@ -78,8 +63,8 @@ def walk(tree, x: Float[Array, " d"], visitor: AbstractVisitor) -> _State:
         parent = (node - 1) >> 1  # the root's parent is -1: the walk is over
         left = 2 * node + 1
         right = left + 1
-        d2_left = squared_distance_to_box(x, node_lo[left], node_hi[left])
-        d2_right = squared_distance_to_box(x, node_lo[right], node_hi[right])
+        d2_left = squared_distance_to_box(x, node_lo[left], node_hi[left], period)
+        d2_right = squared_distance_to_box(x, node_lo[right], node_hi[right], period)
         left_is_near = d2_left <= d2_right
         near = jnp.where(left_is_near, left, right)
         far = jnp.where(left_is_near, right, left)
@@ -107,7 +92,7 @@ def walk(tree, x: Float[Array, " d"], visitor: AbstractVisitor) -> _State:
         start = (node - first_leaf) * leaf_size
         points = lax.dynamic_slice_in_dim(leaf_points, start, leaf_size)
         indices = lax.dynamic_slice_in_dim(tree.leaf_indices, start, leaf_size)
-        d2 = jnp.where(indices < tree.n, squared_distances(x, points), jnp.inf)
+        d2 = jnp.where(indices < tree.n, squared_distances(x, points, period), jnp.inf)
         state = visitor.visit_leaf(state, d2, indices)
         return to_next_leaf(((node - 1) >> 1, node, state))
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from . import _query
 from ._custom_types import Array, ArrayLike, Float, Int
+from ._metric import wrap_into_box
 from ._validate import (
     as_float_array,
     check_finite,
@@ -109,15 +110,29 @@ def _internal_boxes(lo, hi, min_index, depth):
     return lax.fori_loop(0, depth, merge_children, (lo, hi, min_index))
 
 
+def _as_period(box, points):
+    if box is None:
+        return None
+    d = points.shape[1]
+    period = as_float_array("box", box, dtype=points.dtype)
+    if period.ndim > 1 or period.shape not in ((), (d,)):
+        raise ValueError(
+            f"`box` must be a scalar or have shape ({d},) to match the points, "
+            f"got shape {tuple(period.shape)}."
+        )
+    return check_finite("box", jnp.broadcast_to(period, (d,)))
+
+
 @ft.partial(jax.jit, static_argnames="leaf_size")
-def _build(points: Float[Array, "n d"], leaf_size: int):
+def _build(points: Float[Array, "n d"], leaf_size: int, period):
     """The search arrays: leaf slots (points, indices) and node boxes (heap order)."""
     n, _ = points.shape
     depth = _tree_depth(n, leaf_size)
     slots = leaf_size << depth
     index_dtype = _index_dtype(slots)
 
-    coords = jnp.pad(lax.stop_gradient(points), ((0, slots - n), (0, 0)))
+    coords = wrap_into_box(lax.stop_gradient(points), period)
+    coords = jnp.pad(coords, ((0, slots - n), (0, 0)))
     valid = jnp.arange(slots) < n
     split = ft.partial(
         _split_level, coords=coords, valid=valid, leaf_size=leaf_size, depth=depth
@@ -162,9 +177,16 @@ class KDTree(eqx.Module):
     node_lo: Float[Array, "nodes d"]
     node_hi: Float[Array, "nodes d"]
     node_min_index: Int[Array, " nodes"]
+    period: Float[Array, " d"] | None
     leaf_size: int = eqx.field(static=True)
 
-    def __init__(self, points: ArrayLike, *, leaf_size: int = 8):
+    def __init__(
+        self,
+        points: ArrayLike,
+        *,
+        box: None | float | ArrayLike = None,
+        leaf_size: int = 8,
+    ):
         """**Arguments:**
 
         - `points`: the data, shape `(n, d)` with `d >= 1`. float32 and float64 are
@@ -172,6 +194,12 @@ class KDTree(eqx.Module):
             finite: NaN/inf raise `ValueError` eagerly, and an `eqx.error_if` runtime
             error under `jax.jit`. `n = 0` gives an empty tree, whose queries return
             only the missing-neighbour sentinels.
+        - `box`: periodic boundaries, as in scipy's `boxsize`: `None` (default) for
+            none, or the box lengths `L`, a scalar or one per axis `(d,)`; an axis
+            with a length `<= 0` is not periodic. Every query then measures
+            minimum-image distances. Coordinates on periodic axes are taken modulo
+            `L` (so points just outside `[0, L)` from round-off are wrapped, not
+            rejected); `points` itself is kept as given.
         - `leaf_size`: points per leaf bucket (static Python int, a power of two,
             default 8). Larger leaves make a shallower tree and more brute-force work
             per visited leaf.
@@ -182,10 +210,12 @@ class KDTree(eqx.Module):
         if leaf_size & (leaf_size - 1):
             raise ValueError(f"`leaf_size` must be a power of two, got {leaf_size}.")
         points = check_finite("points", points)
-        arrays = _build(points, leaf_size)
+        period = _as_period(box, points)
+        arrays = _build(points, leaf_size, period)
         self.leaf_points, self.leaf_indices = arrays[:2]
         self.node_lo, self.node_hi, self.node_min_index = arrays[2:]
         self.points = points
+        self.period = period
         self.leaf_size = leaf_size
 
     @property

@@ -1,0 +1,60 @@
+"""Euclidean distances, optionally with periodic axes (minimum image), and safe norms.
+
+`period` is `None` (no periodic axis) or a `(d,)` array of box lengths, where a length
+`<= 0` marks an axis as not periodic.
+"""
+
+import jax.numpy as jnp
+
+from ._custom_types import Array, Float
+
+
+def minimum_image(diff: Float[Array, "... d"], period) -> Float[Array, "... d"]:
+    """Wraps coordinate differences to the nearest periodic image."""
+    if period is None:
+        return diff
+    periodic = period > 0
+    length = jnp.where(periodic, period, 1)
+    wrapped = diff - length * jnp.round(diff / length)
+    return jnp.where(periodic, wrapped, diff)
+
+
+def wrap_into_box(x: Float[Array, "... d"], period) -> Float[Array, "... d"]:
+    """Maps coordinates into `[0, L)` on periodic axes (round-off included)."""
+    if period is None:
+        return x
+    periodic = period > 0
+    length = jnp.where(periodic, period, 1)
+    wrapped = x - length * jnp.floor(x / length)
+    # x slightly below 0 can round to exactly L: that is the image 0.
+    wrapped = jnp.where(wrapped >= length, wrapped - length, wrapped)
+    return jnp.where(periodic, wrapped, x)
+
+
+def squared_distances(x: Float[Array, " d"], points: Float[Array, "m d"], period):
+    diff = minimum_image(points - x, period)
+    return jnp.sum(diff * diff, axis=-1)
+
+
+def squared_distance_to_box(x: Float[Array, " d"], lo, hi, period):
+    """A lower bound on the squared distance from `x` to any point in the box.
+
+    It is shrunk by a few ulps per dimension: a point on the box's nearest corner has
+    the same exact distance, but the two sums may round differently (fused or not), and
+    a bound one ulp too high would prune a tie that must be visited.
+    """
+    gap = jnp.maximum(jnp.maximum(lo - x, x - hi), 0)
+    if period is not None:
+        # Both x and the box lie in [0, L): the images x - L and x + L are the others.
+        below = jnp.maximum(lo - (x + period), 0) + jnp.maximum((x + period) - hi, 0)
+        above = jnp.maximum(lo - (x - period), 0) + jnp.maximum((x - period) - hi, 0)
+        gap = jnp.where(period > 0, jnp.minimum(gap, jnp.minimum(below, above)), gap)
+    slack = 4 * (x.shape[-1] + 2) * jnp.finfo(x.dtype).eps
+    return jnp.sum(gap * gap, axis=-1) * (1 - slack)
+
+
+def safe_norm(diff: Float[Array, "... d"]) -> Float[Array, "..."]:
+    """Euclidean norm over the last axis whose gradient at zero is zero, not NaN."""
+    d2 = jnp.sum(diff * diff, axis=-1)
+    positive = d2 > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, d2, 1)), 0)
