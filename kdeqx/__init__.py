@@ -2,6 +2,7 @@
 
 import importlib.metadata
 
+from ._interpolate import Interpolator as Interpolator
 from ._series import OperatorSeries as OperatorSeries
 from ._tree import KDTree as KDTree
 

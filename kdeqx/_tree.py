@@ -9,7 +9,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _query
+from . import _interpolate, _query, _radius
 from ._custom_types import Array, ArrayLike, Float, Int
 from ._metric import wrap_into_box
 from ._validate import (
@@ -260,3 +260,93 @@ class KDTree(eqx.Module):
         `n`. `distances` are differentiable with respect to `x` and `points`.
         """
         return _query.knn(self, x, k, distance_upper_bound)
+
+    def count_ball_point(
+        self, x: ArrayLike, r: float | ArrayLike
+    ) -> Int[Array, "*batch"]:
+        """Counts the points within distance `r` (inclusive) of each query.
+
+        The same numbers as `scipy.spatial.cKDTree.query_ball_point(x, r,
+        return_length=True)`, in `O(Q)` memory: nothing of size `Q x n` is formed.
+
+        **Arguments:**
+
+        - `x`: queries, shape `(d,)` or `(..., d)`.
+        - `r`: radius, a scalar or one per query (shape `(...)`); finite and `>= 0`.
+
+        **Returns:**
+
+        Integer counts of shape `(...)`.
+        """
+        return _radius.count_ball_point(self, x, r)
+
+    def query_ball_point(
+        self,
+        x: ArrayLike,
+        r: float | ArrayLike,
+        max_neighbors: int,
+        *,
+        raise_on_overflow: bool = False,
+    ) -> tuple[Float[Array, "*batch m"], Int[Array, "*batch m"], Int[Array, "*batch"]]:
+        """Finds the points within distance `r` (inclusive) of each query.
+
+        JAX needs fixed shapes, so at most `max_neighbors` are returned, nearest first
+        (ties by lower index), and `counts` says how many there really are.
+
+        **Arguments:**
+
+        - `x`: queries, shape `(d,)` or `(..., d)`.
+        - `r`: radius, a scalar or one per query (shape `(...)`); finite and `>= 0`.
+        - `max_neighbors`: the fixed capacity `m`, a static Python int `>= 1`.
+        - `raise_on_overflow`: if `True`, a query with more than `max_neighbors`
+            points within `r` raises a runtime error (via `eqx.error_if`) instead of
+            truncating silently.
+
+        **Returns:**
+
+        `(distances, indices, counts)`: distances and indices of shape `(..., m)`,
+        padded with `(inf, n)`; `counts` of shape `(...)` is the true number of points
+        within `r`, so `counts > m` shows truncation. Distances are differentiable.
+        """
+        return _radius.query_ball_point(self, x, r, max_neighbors, raise_on_overflow)
+
+    def interpolate(
+        self,
+        x: ArrayLike,
+        values: ArrayLike,
+        *,
+        k: int = 8,
+        power: float = 2.0,
+        kernel: "_interpolate.Kernel" = "idw",
+        length_scale: float | ArrayLike | None = None,
+    ) -> Float[Array, "..."]:
+        """Interpolates `values` at `x` from the `k` nearest points.
+
+        **Arguments:**
+
+        - `x`: queries, shape `(d,)` or `(..., d)`.
+        - `values`: the field at the points, shape `(n, ...)`, rows in the order of
+            `points`. Must be finite.
+        - `k`: neighbours per query (static Python int `>= 1`).
+        - `power`: inverse-distance exponent: weights `1/d**power` (`kernel="idw"`).
+        - `kernel`: `"idw"` (default) or `"gaussian"`: weights
+            `exp(-d**2 / (2 length_scale**2))` over the `k` nearest, smooth within a
+            neighbourhood.
+        - `length_scale`: the Gaussian kernel's width, required for it.
+
+        **Returns:**
+
+        The weighted mean of the neighbours' values, shape `(..., *values.shape[1:])`.
+        Where a query coincides with data points, the result is the mean of their
+        values (finite, with finite gradients). Differentiable with respect to `x`,
+        `values` and `points`.
+        """
+        return _interpolate.interpolate(
+            self,
+            x,
+            values,
+            k=k,
+            kernel=kernel,
+            power=power,
+            length_scale=length_scale,
+        )

@@ -80,3 +80,13 @@ def check_static_int(name: str, value, minimum: int) -> int:
     if value < minimum:
         raise ValueError(f"`{name}` must be >= {minimum}, got {value}.")
     return int(value)
+
+
+def check_nonnegative(name: str, array: Array) -> Array:
+    """Rejects negative values (and NaN/inf): eagerly, or via `eqx.error_if`."""
+    array = check_finite(name, array)
+    if is_concrete(array):
+        if (np.asarray(array) < 0).any():
+            raise ValueError(f"`{name}` must be >= 0, got {np.asarray(array).min()}.")
+        return array
+    return eqx.error_if(array, jnp.any(array < 0), f"`{name}` must be >= 0.")
