@@ -1,0 +1,174 @@
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.spatial import cKDTree
+
+import kdeqx
+
+from .helpers import DTYPES
+
+
+def _idw_reference(points, values, x, k, power):
+    """numpy brute force: sort all distances, weight the k nearest by 1/d**power."""
+    d = np.linalg.norm(x[:, None, :] - points[None], axis=-1)
+    order = np.argsort(d, axis=1, kind="stable")[:, :k]
+    dk = np.take_along_axis(d, order, 1)
+    out = []
+    for row, dist in zip(order, dk):
+        if (dist == 0).any():
+            out.append(values[row[dist == 0]].mean(0))
+        else:
+            w = dist**-power
+            out.append((w[:, None] * values[row].reshape(k, -1)).sum(0) / w.sum())
+    return np.stack(out).reshape(len(x), *values.shape[1:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("power", [1.0, 2.0, 3.5])
+def test_idw_matches_numpy_brute_force(power, dtype):
+    rng = np.random.default_rng(0)
+    points = rng.random((400, 3)).astype(dtype)
+    values = rng.standard_normal((400, 2)).astype(dtype)
+    x = rng.random((30, 3)).astype(dtype)
+    out = kdeqx.KDTree(points).interpolate(x, values, k=6, power=power)
+    reference = _idw_reference(
+        points.astype(np.float64),
+        values.astype(np.float64),
+        x.astype(np.float64),
+        6,
+        power,
+    )
+    rtol = 2e-4 if dtype == np.float32 else 1e-10
+    np.testing.assert_allclose(out, reference, rtol=rtol, atol=rtol)
+    assert out.dtype == dtype
+
+
+def test_idw_against_scipy_query_and_numpy_weights():
+    rng = np.random.default_rng(1)
+    points, values, x = rng.random((1000, 2)), rng.random(1000), rng.random((50, 2))
+    d, i = cKDTree(points).query(x, 8)
+    w = 1 / d**2
+    expected = (w * values[i]).sum(1) / w.sum(1)
+    np.testing.assert_allclose(kdeqx.KDTree(points).interpolate(x, values), expected)
+
+
+def test_query_on_data_points_gives_the_mean_of_coincident_values():
+    points = np.array([[0.0, 0.0], [0.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+    values = np.array([1.0, 3.0, 10.0, 20.0])
+    tree = kdeqx.KDTree(points)
+    out = tree.interpolate(np.array([[0.0, 0.0], [1.0, 0.0]]), values, k=3)
+    np.testing.assert_allclose(out, [2.0, 10.0])
+
+    def loss(x, values):
+        return tree.interpolate(x, values, k=3).sum()
+
+    gx, gv = jax.grad(loss, argnums=(0, 1))(jnp.zeros((1, 2)), values)
+    assert np.isfinite(gx).all() and np.isfinite(gv).all()
+    np.testing.assert_allclose(gv, [0.5, 0.5, 0.0, 0.0])
+
+
+def test_tiny_distances_do_not_overflow():
+    points = np.array([[0.0], [1.0]], np.float32)
+    out = kdeqx.KDTree(points).interpolate(
+        np.array([[1e-30]], np.float32), np.array([1.0, 2.0]), k=2
+    )
+    np.testing.assert_allclose(out, [1.0])
+
+
+def _central(f, x, eps=1e-6):
+    grad = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        step = np.zeros_like(x)
+        step[i] = eps
+        grad[i] = (f(x + step) - f(x - step)) / (2 * eps)
+    return grad
+
+
+@pytest.mark.parametrize("kernel", ["idw", "gaussian"])
+def test_interpolator_grads_match_finite_differences(kernel):
+    rng = np.random.default_rng(2)
+    points = rng.random((60, 2))
+    tree = kdeqx.KDTree(points)
+    model = kdeqx.Interpolator(
+        tree, rng.standard_normal(60), k=5, kernel=kernel, length_scale=0.2
+    )
+    x = rng.random((4, 2))
+
+    @eqx.filter_jit
+    def loss(model, x):
+        return jnp.sum(model(x) ** 2)
+
+    grads = eqx.filter_grad(loss)(model, x)
+    numeric = _central(
+        lambda v: float(loss(eqx.tree_at(lambda m: m.values, model, v), x)),
+        np.asarray(model.values),
+    )
+    np.testing.assert_allclose(grads.values, numeric, rtol=1e-6, atol=1e-9)
+    grad_x = jax.grad(lambda x: loss(model, x))(x)
+    np.testing.assert_allclose(
+        grad_x, _central(lambda x: float(loss(model, x)), x), rtol=1e-5, atol=1e-8
+    )
+
+
+def test_gradient_wrt_points():
+    rng = np.random.default_rng(3)
+    points, values, x = rng.random((30, 2)), rng.random(30), rng.random((3, 2))
+
+    @jax.jit
+    def f(points):
+        return kdeqx.KDTree(points).interpolate(x, values, k=4).sum()
+
+    np.testing.assert_allclose(
+        jax.grad(f)(points),
+        _central(lambda p: float(f(p)), points),
+        rtol=1e-5,
+        atol=1e-8,
+    )
+
+
+def test_gaussian_kernel_matches_reference():
+    rng = np.random.default_rng(4)
+    points, values, x = rng.random((300, 2)), rng.random((300, 3)), rng.random((20, 2))
+    out = kdeqx.KDTree(points).interpolate(
+        x, values, k=10, kernel="gaussian", length_scale=0.1
+    )
+    d, i = cKDTree(points).query(x, 10)
+    w = np.exp(-(d**2) / (2 * 0.1**2))
+    expected = (w[..., None] * values[i]).sum(1) / w.sum(1)[:, None]
+    np.testing.assert_allclose(out, expected, rtol=1e-10)
+
+
+def test_vmap_over_trees_and_partition_for_training():
+    rng = np.random.default_rng(5)
+    points = rng.random((3, 100, 2))
+    values = rng.random((3, 100))
+    x = rng.random((3, 7, 2))
+    trees = jax.vmap(kdeqx.KDTree)(points)
+    out = jax.vmap(lambda t, v, x: t.interpolate(x, v, k=4))(trees, values, x)
+    for b in range(3):
+        expected = kdeqx.KDTree(points[b]).interpolate(x[b], values[b], k=4)
+        np.testing.assert_allclose(out[b], expected)
+    model = kdeqx.Interpolator(kdeqx.KDTree(points[0]), values[0])
+    trainable = eqx.tree_at(
+        lambda m: m.values, jax.tree.map(lambda _: False, model), replace=True
+    )
+    params, static = eqx.partition(model, trainable)
+    assert [a.shape for a in jax.tree.leaves(params)] == [(100,)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_interpolation_errors(dtype):
+    tree = kdeqx.KDTree(np.zeros((5, 2), dtype))
+    with pytest.raises(ValueError, match=r"one row per point, shape \(5, \.\.\.\)"):
+        tree.interpolate(np.zeros(2, dtype), np.zeros(4))
+    with pytest.raises(ValueError, match="`values` must be finite"):
+        tree.interpolate(np.zeros(2, dtype), np.array([0, 0, np.nan, 0, 0]))
+    with pytest.raises(ValueError, match="length_scale"):
+        tree.interpolate(np.zeros(2, dtype), np.zeros(5), kernel="gaussian")
+    # The runtime type checker of the test suite may reject the Literal first.
+    with pytest.raises((ValueError, TypeError), match="kernel"):
+        kdeqx.Interpolator(tree, np.zeros(5), kernel="cubic")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="empty tree"):
+        kdeqx.KDTree(np.zeros((0, 2))).interpolate(np.zeros(2), np.zeros(0))

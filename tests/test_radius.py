@@ -1,0 +1,129 @@
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+from scipy.spatial import cKDTree
+
+import kdeqx
+
+from .helpers import DATASETS, DTYPES, lattice_queries
+
+
+def _brute_ball(points, x, r):
+    d = np.linalg.norm(x[:, None, :] - points[None], axis=-1)
+    return [np.flatnonzero(row <= ri) for row, ri in zip(d, r)], d
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dataset", list(DATASETS))
+def test_count_matches_scipy(dataset, dtype):
+    rng = np.random.default_rng(list(DATASETS).index(dataset))
+    points = DATASETS[dataset](rng, 500, 3).astype(dtype)
+    if dataset == "lattice":
+        x = lattice_queries(rng, 50, 3).astype(dtype)
+        r = np.full(50, 1.5, dtype)  # no lattice distance is 1.5: no boundary rounding
+    else:
+        x = (points.min(0) + rng.random((50, 3)) * np.ptp(points, 0)).astype(dtype)
+        r = (rng.random(50) * 0.3).astype(dtype)
+    counts = kdeqx.KDTree(points).count_ball_point(x, r)
+    reference = cKDTree(points).query_ball_point(x, r, return_length=True)
+    np.testing.assert_array_equal(counts, reference)
+
+
+def test_count_with_a_scalar_radius_and_single_query():
+    rng = np.random.default_rng(0)
+    points = rng.random((300, 2))
+    tree = kdeqx.KDTree(points)
+    x = rng.random(2)
+    expected = cKDTree(points).query_ball_point(x, 0.2, return_length=True)
+    assert tree.count_ball_point(x, 0.2) == expected
+    assert tree.count_ball_point(x, 0.0) == 0
+    assert (
+        tree.count_ball_point(points[5], 0.0) == 1
+    )  # the closed ball holds its centre
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_query_ball_point_returns_the_nearest_within_r(dtype):
+    rng = np.random.default_rng(1)
+    points = rng.random((800, 3)).astype(dtype)
+    x = rng.random((40, 3)).astype(dtype)
+    r = (rng.random(40) * 0.25).astype(dtype)
+    distances, indices, counts = kdeqx.KDTree(points).query_ball_point(x, r, 12)
+    inside, d = _brute_ball(points.astype(np.float64), x.astype(np.float64), r)
+    reference = cKDTree(points).query_ball_point(x, r)
+    for q in range(40):
+        assert counts[q] == len(inside[q]) == len(reference[q])
+        order = inside[q][np.lexsort((inside[q], d[q, inside[q]]))][:12]
+        m = len(order)
+        np.testing.assert_array_equal(indices[q, :m], order)
+        assert (np.asarray(indices[q, m:]) == 800).all()
+        assert np.isinf(distances[q, m:]).all()
+        rtol = 1e-5 if dtype == np.float32 else 1e-12
+        np.testing.assert_allclose(distances[q, :m], d[q, order], rtol=rtol)
+
+
+def test_overflow_is_visible_and_can_raise():
+    points = np.zeros((20, 2))
+    tree = kdeqx.KDTree(points)
+    _, indices, counts = tree.query_ball_point(np.zeros(2), 1.0, 4)
+    assert counts == 20
+    np.testing.assert_array_equal(indices, [0, 1, 2, 3])
+    with pytest.raises(eqx.EquinoxRuntimeError, match="more than max_neighbors=4"):
+        query = eqx.filter_jit(
+            lambda t, x: t.query_ball_point(x, 1.0, 4, raise_on_overflow=True)
+        )
+        jax.block_until_ready(query(tree, np.zeros(2)))
+
+
+def test_vmap_over_trees_for_radius_queries():
+    rng = np.random.default_rng(2)
+    points = rng.random((3, 200, 2))
+    x = rng.random((3, 10, 2))
+    trees = jax.vmap(kdeqx.KDTree)(points)
+    counts = jax.vmap(lambda t, x: t.count_ball_point(x, 0.15))(trees, x)
+    for b in range(3):
+        expected = cKDTree(points[b]).query_ball_point(x[b], 0.15, return_length=True)
+        np.testing.assert_array_equal(counts[b], expected)
+
+
+def test_radius_distances_are_differentiable():
+    rng = np.random.default_rng(3)
+    points = rng.random((100, 2))
+    x = rng.random((5, 2))
+    tree = kdeqx.KDTree(points)
+
+    def loss(x):
+        distances, _, _ = tree.query_ball_point(x, 0.3, 8)
+        return jax.numpy.where(jax.numpy.isfinite(distances), distances, 0).sum()
+
+    grad = jax.grad(loss)(x)
+    eps = 1e-6
+    step = np.zeros_like(x)
+    step[0, 0] = eps
+    numeric = (loss(x + step) - loss(x - step)) / (2 * eps)
+    np.testing.assert_allclose(grad[0, 0], numeric, rtol=1e-6)
+
+
+@pytest.mark.parametrize("r", [-0.1, np.nan, np.inf])
+def test_bad_radius(r):
+    tree = kdeqx.KDTree(np.zeros((5, 2)))
+    with pytest.raises(ValueError, match="`r` must be"):
+        tree.count_ball_point(np.zeros(2), r)
+    with pytest.raises(ValueError, match="`r` must be"):
+        tree.query_ball_point(np.zeros(2), r, 3)
+
+
+def test_bad_radius_under_jit():
+    tree = kdeqx.KDTree(np.zeros((5, 2)))
+    count = eqx.filter_jit(lambda t, r: t.count_ball_point(np.zeros(2), r))
+    with pytest.raises(eqx.EquinoxRuntimeError, match="`r` must be >= 0"):
+        jax.block_until_ready(count(tree, -1.0))
+
+
+def test_bad_radius_shape_and_capacity():
+    tree = kdeqx.KDTree(np.zeros((5, 2)))
+    with pytest.raises(ValueError, match="batch shape"):
+        tree.count_ball_point(np.zeros((4, 2)), np.ones(3))
+    with pytest.raises(ValueError, match="`max_neighbors` must be >= 1"):
+        tree.query_ball_point(np.zeros(2), 1.0, 0)
