@@ -24,7 +24,7 @@ import jax.extend.core as jex
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, PyTree, Shaped
+from jaxtyping import Array, ArrayLike, Float, PyTree, Shaped
 
 
 class _Series:
@@ -66,6 +66,16 @@ def _orders(num_terms: int, dtype: Any, ndim: int) -> Array:
 def _with_first(value: Array, num_terms: int) -> Array:
     """A coefficient array whose only nonzero coefficient is the zeroth, `value`."""
     return _lift(value, num_terms)
+
+
+def _set(a: Array, m: Array, value: Array) -> Array:
+    """`a` with coefficient `m` replaced (a dynamic update, cheaper to compile than a
+    scatter)."""
+    return lax.dynamic_update_index_in_dim(a, value.astype(a.dtype), m, 0)
+
+
+def _set_first(a: Array, value: Array) -> Array:
+    return jnp.concatenate([value.astype(a.dtype)[None], a[1:]])
 
 
 def _flip_pad(a: Array) -> Array:
@@ -116,20 +126,31 @@ def _divide(a: Array, b: Array) -> Array:
 
     def next_coefficient(m, y):
         # y[m] is still zero here, so the convolution only sees the known terms.
-        return y.at[m].set((a[m] - _convolve_at(y, flipped_b, m)) / b[0])
+        return _set(y, m, (a[m] - _convolve_at(y, flipped_b, m)) / b[0])
 
     return lax.fori_loop(0, a.shape[0], next_coefficient, jnp.zeros_like(a))
 
 
+def _set_flipped(flipped: Array, m: Array, value: Array) -> Array:
+    """Write coefficient `m` into a `_flip_pad` buffer (kept alongside an evolving
+    series so that its windows need no flip per step)."""
+    num_terms = flipped.shape[0] // 2
+    return _set(flipped, num_terms - 1 - m, value)
+
+
 def _sqrt(x: Array) -> Array:
     """Coefficients of `sqrt(x)`, from `y * y = x`."""
+    num_terms = x.shape[0]
     y0 = jnp.sqrt(x[0])
+    y = _with_first(y0, num_terms)
 
-    def next_coefficient(m, y):
+    def next_coefficient(m, carry):
+        y, flipped_y = carry
         # With y[m] still zero the self-convolution is sum_{0<j<m} y[j] y[m-j].
-        return y.at[m].set((x[m] - _convolve_at(y, _flip_pad(y), m)) / (2 * y0))
+        ym = (x[m] - _convolve_at(y, flipped_y, m)) / (2 * y0)
+        return _set(y, m, ym), _set_flipped(flipped_y, m, ym)
 
-    return lax.fori_loop(1, x.shape[0], next_coefficient, _with_first(y0, x.shape[0]))
+    return lax.fori_loop(1, num_terms, next_coefficient, (y, _flip_pad(y)))[0]
 
 
 def _power(x: Array, p: Array) -> Array:
@@ -149,7 +170,7 @@ def _power(x: Array, p: Array) -> Array:
         ym = (p + 1) * _convolve_at(y, weighted_x, m) - mf * _convolve_at(
             y, flipped_x, m
         )
-        return y.at[m].set(ym / (mf * x[0]))
+        return _set(y, m, ym / (mf * x[0]))
 
     return lax.fori_loop(1, num_terms, next_coefficient, _with_first(y0, num_terms))
 
@@ -171,30 +192,40 @@ def _integer_power(x: Array, n: int) -> Array:
     return result
 
 
-def _riccati(x: Array, y0: Array, c0: float, c1: float, c2: float) -> Array:
-    """Coefficients of `y` with `y' = (c0 + c1 y + c2 y²) x'` and `y(0) = y0`.
+def _exp(x: Array) -> Array:
+    """Coefficients of `exp(x)`, from `y' = x' y`: `m y[m] = sum_j j x[j] y[m-j]`."""
+    num_terms = x.shape[0]
+    weighted_x = _flip_pad(x * _orders(num_terms, x.dtype, x.ndim))
 
-    One recurrence covers `exp` (0, 1, 0), `tanh` (1, 0, -1), `logistic` (0, 1, -1) and
-    `tan` (1, 0, 1). `u = c0 + c1 y + c2 y²` is carried alongside `y`.
+    def next_coefficient(m, y):
+        # y[m] is still zero, and the j = 0 weight is zero anyway.
+        return _set(y, m, _convolve_at(y, weighted_x, m) / m.astype(x.dtype))
+
+    y = _with_first(jnp.exp(x[0]), num_terms)
+    return lax.fori_loop(1, num_terms, next_coefficient, y)
+
+
+def _riccati(x: Array, y0: Array, c0: float, c2: float) -> Array:
+    """Coefficients of `y` with `y' = (c0 + c2 y²) x'` and `y(0) = y0`.
+
+    `tanh` is (1, -1) and `tan` is (1, 1). `u = c0 + c2 y²` is carried alongside `y`,
+    and so is `y` in the flipped layout that its self-convolution windows.
     """
     num_terms = x.shape[0]
     weighted_x = _flip_pad(x * _orders(num_terms, x.dtype, x.ndim))
     y = _with_first(y0, num_terms)
-    u = _with_first(c0 + c1 * y0 + c2 * y0 * y0, num_terms)
+    u = _with_first(c0 + c2 * y0 * y0, num_terms)
 
     def next_coefficient(m, carry):
-        y, u = carry
+        y, flipped_y, u = carry
         # m y[m] = sum_{j>=1} j x[j] u[m-j]; u[m] is still zero so only u[<m] is used.
         ym = _convolve_at(u, weighted_x, m) / m.astype(x.dtype)
-        y = y.at[m].set(ym)
-        um = c1 * ym + c2 * _convolve_at(y, _flip_pad(y), m)
-        return y, u.at[m].set(um)
+        y = _set(y, m, ym)
+        flipped_y = _set_flipped(flipped_y, m, ym)
+        um = c2 * _convolve_at(y, flipped_y, m)
+        return y, flipped_y, _set(u, m, um)
 
-    return lax.fori_loop(1, num_terms, next_coefficient, (y, u))[0]
-
-
-def _exp(x: Array) -> Array:
-    return _riccati(x, jnp.exp(x[0]), 0.0, 1.0, 0.0)
+    return lax.fori_loop(1, num_terms, next_coefficient, (y, _flip_pad(y), u))[0]
 
 
 def _sin_cos(x: Array, sign: float) -> tuple[Array, Array]:
@@ -214,7 +245,7 @@ def _sin_cos(x: Array, sign: float) -> tuple[Array, Array]:
         mf = m.astype(x.dtype)
         sm = _convolve_at(c, weighted_x, m) / mf
         cm = sign * _convolve_at(s, weighted_x, m) / mf
-        return s.at[m].set(sm), c.at[m].set(cm)
+        return _set(s, m, sm), _set(c, m, cm)
 
     init = (_with_first(s0, num_terms), _with_first(c0, num_terms))
     return lax.fori_loop(1, num_terms, next_coefficient, init)
@@ -369,11 +400,11 @@ def _pow_rule(eqn, invals):
         return _finish(eqn, _power(x, y[0]))
     # x ** y = exp(y log x), with the value at zero taken from pow itself.
     result = _exp(cauchy_product(y, _log(x)))
-    return _finish(eqn, result.at[0].set(x[0] ** y[0]))
+    return _finish(eqn, _set_first(result, x[0] ** y[0]))
 
 
 def _expm1(x):
-    return _exp(x).at[0].set(jnp.expm1(x[0]))
+    return _set_first(_exp(x), jnp.expm1(x[0]))
 
 
 def _log1p(x):
@@ -381,15 +412,17 @@ def _log1p(x):
 
 
 def _tanh(x):
-    return _riccati(x, jnp.tanh(x[0]), 1.0, 0.0, -1.0)
+    return _riccati(x, jnp.tanh(x[0]), 1.0, -1.0)
 
 
 def _logistic(x):
-    return _riccati(x, jax.nn.sigmoid(x[0]), 0.0, 1.0, -1.0)
+    # logistic(x) = (1 + tanh(x / 2)) / 2
+    half = _riccati(x / 2, jnp.tanh(x[0] / 2), 1.0, -1.0) / 2
+    return _set_first(half, jax.nn.sigmoid(x[0]))
 
 
 def _tan(x):
-    return _riccati(x, jnp.tan(x[0]), 1.0, 0.0, 1.0)
+    return _riccati(x, jnp.tan(x[0]), 1.0, 1.0)
 
 
 def _atan(x):
@@ -493,7 +526,7 @@ def _rem_rule(eqn, invals):
     x, y = _elementwise_inputs(eqn, invals)
     quotient = jnp.trunc(x[0] / y[0])
     result = x - quotient * y
-    return _finish(eqn, result.at[0].set(lax.rem(x[0], y[0])))
+    return _finish(eqn, _set_first(result, lax.rem(x[0], y[0])))
 
 
 def _cond_rule(eqn, invals):
@@ -552,7 +585,7 @@ _RULES: dict[str, Callable[[jex.JaxprEqn, Sequence[Any]], list[Any]]] = {
     "rsqrt": _unary(lambda x: _power(x, jnp.asarray(-0.5, x.dtype))),
     "cbrt": _unary(lambda x: _power(x, jnp.asarray(1 / 3, x.dtype))),
     "exp": _unary(_exp),
-    "exp2": _unary(lambda x: _exp(x * np.log(2)).at[0].set(jnp.exp2(x[0]))),
+    "exp2": _unary(lambda x: _set_first(_exp(x * np.log(2)), jnp.exp2(x[0]))),
     "expm1": _unary(_expm1),
     "log": _unary(_log),
     "log1p": _unary(_log1p),
@@ -657,7 +690,7 @@ def _identity_series(t: Float[Array, ""], num_terms: int) -> Float[Array, " term
 
 
 def taylor_coefficients(
-    fn: Callable[[Array], PyTree[Array]], t: Float[Array, ""], order: int
+    fn: Callable[[Array], PyTree[Array]], t: Float[ArrayLike, ""], order: int
 ) -> PyTree[Shaped[Array, "terms ..."]]:
     """Normalised Taylor coefficients of `s -> fn(t + s)` at `s = 0`.
 
@@ -677,6 +710,7 @@ def taylor_coefficients(
     Raises `NotImplementedError` naming the primitive when part of `fn` that depends
     on `t` has no Taylor rule.
     """
+    t = jnp.asarray(t)
     closed, out_shapes = jax.make_jaxpr(fn, return_shape=True)(t)
     num_terms = order + 1
     seed = _Series(_identity_series(t, num_terms))
