@@ -41,8 +41,9 @@ def gaussian_weights(
     length_scale: Float[Array, ""],
 ) -> Float[Array, "*batch k"]:
     """Gaussian weights `exp(-d**2 / (2 l**2))`, shifted by the nearest (stability)."""
-    safe = jnp.where(found, distances, 0)
-    exponent = (safe**2 - safe[..., :1] ** 2) / (2 * length_scale**2)
+    # In units of the length scale first: huge distances cannot overflow when squared.
+    scaled = jnp.where(found, distances, 0) / length_scale
+    exponent = (scaled**2 - scaled[..., :1] ** 2) / 2
     return jnp.where(found, jnp.exp(-exponent), 0)
 
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from ._custom_types import Array, ArrayLike, Bool, Float, Int
 from ._metric import minimum_image, safe_norm
-from ._traverse import AbstractVisitor, walk
+from ._traverse import AbstractVisitor, search_radius2, walk
 from ._validate import (
     as_float_array,
     check_finite,
@@ -102,7 +102,10 @@ def neighbour_distances(
         return jnp.full(indices.shape, jnp.inf, x.dtype)
     found = indices < tree.n
     rows = tree.points[jnp.where(found, indices, 0)]
-    distance = safe_norm(minimum_image(x[..., None, :] - rows, tree.period))
+    # Scaled like the search, so that float32 norms of huge or tiny differences stay
+    # finite and non-zero; the scale is a power of two, so this is exact.
+    diff = minimum_image(x[..., None, :] - rows, tree.period)
+    distance = safe_norm(diff * tree.scale) / tree.scale
     return jnp.where(found, distance, jnp.inf)
 
 
@@ -127,7 +130,7 @@ def _knn(tree: "KDTree", x, bound, k: int):
     index_dtype = tree.leaf_indices.dtype
 
     def one_query(xi, bound_i):
-        visitor = _KNearest(k, bound_i * bound_i, index_dtype)
+        visitor = _KNearest(k, search_radius2(tree, bound_i), index_dtype)
         _, indices = walk(tree, xi, visitor)
         return jnp.where(indices < 0, tree.n, indices)
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from ._custom_types import Array, ArrayLike, Bool, Float, Int
 from ._query import merge_k_best, neighbour_distances, prepare_queries
-from ._traverse import AbstractVisitor, walk
+from ._traverse import AbstractVisitor, search_radius2, walk
 from ._validate import as_float_array, check_nonnegative, check_static_int
 
 
@@ -85,7 +85,7 @@ def _count(tree: "KDTree", x, r):
         return jnp.zeros(x.shape[:-1], index_dtype)
 
     def one_query(xi, ri):
-        return walk(tree, xi, _BallCount(ri * ri, index_dtype))
+        return walk(tree, xi, _BallCount(search_radius2(tree, ri), index_dtype))
 
     counts = jax.vmap(one_query)(x.reshape(-1, tree.d), r.reshape(-1))
     return counts.reshape(x.shape[:-1])
@@ -120,7 +120,9 @@ def _collect(tree: "KDTree", x, r, k: int):
         )
 
     def one_query(xi, ri):
-        _, indices, count = walk(tree, xi, _BallNearest(k, ri * ri, index_dtype))
+        _, indices, count = walk(
+            tree, xi, _BallNearest(k, search_radius2(tree, ri), index_dtype)
+        )
         empty = indices == jnp.iinfo(index_dtype).max
         return jnp.where(empty, tree.n, indices), count
 

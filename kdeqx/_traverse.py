@@ -47,15 +47,27 @@ class AbstractVisitor(eqx.Module):
         """Folds one leaf's points into the state; padding slots have `d2 = inf`."""
 
 
+def search_radius2(tree, r: Float[Array, "*batch"]) -> Float[Array, "*batch"]:
+    """A distance `r` as a squared distance in the tree's scaled search coordinates."""
+    scaled = r * lax.stop_gradient(tree.scale)
+    return scaled * scaled
+
+
 def walk(tree, x: Float[Array, " d"], visitor: AbstractVisitor) -> _State:
-    """Runs `visitor` over every leaf it does not prune, nearest subtrees first."""
+    """Runs `visitor` over every leaf it does not prune, nearest subtrees first.
+
+    The visitor sees squared distances in the tree's search coordinates, which are
+    scaled by `tree.scale`: express its thresholds with `search_radius2`.
+    """
     first_leaf = tree.num_leaves - 1
     leaf_size = tree.leaf_size
     leaf_points = lax.stop_gradient(tree.leaf_points)
     node_lo = lax.stop_gradient(tree.node_lo)
     node_hi = lax.stop_gradient(tree.node_hi)
+    scale = lax.stop_gradient(tree.scale)
     period = None if tree.period is None else lax.stop_gradient(tree.period)
-    x = wrap_into_box(lax.stop_gradient(x), period)
+    x = wrap_into_box(lax.stop_gradient(x), period) * scale
+    period = None if period is None else period * scale
 
     def move(carry):
         """One step from an internal node: down to a child, or back up to the parent."""

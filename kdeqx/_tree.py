@@ -123,15 +123,30 @@ def _as_period(box, points):
     return check_finite("box", jnp.broadcast_to(period, (d,)))
 
 
+def _search_scale(points: Float[Array, "n d"]) -> Float[Array, ""]:
+    """A power of two that brings the largest coordinate into `[0.5, 1]`.
+
+    The search runs on scaled coordinates so that squared distances neither overflow
+    (float32 coordinates beyond ~1e19) nor underflow (below ~1e-19); scaling by a power
+    of two is exact, so it changes no comparison.
+    """
+    largest = jnp.max(jnp.abs(points), initial=0)
+    _, exponent = jnp.frexp(jnp.where(largest > 0, largest, 1))
+    return jnp.ldexp(jnp.ones((), points.dtype), -exponent)
+
+
 @ft.partial(jax.jit, static_argnames="leaf_size")
 def _build(points: Float[Array, "n d"], leaf_size: int, period):
-    """The search arrays: leaf slots (points, indices) and node boxes (heap order)."""
+    """The search arrays: leaf slots (points, indices), node boxes (heap order) and the
+    scale of the search coordinates."""
     n, _ = points.shape
     depth = _tree_depth(n, leaf_size)
     slots = leaf_size << depth
     index_dtype = _index_dtype(slots)
 
     coords = wrap_into_box(lax.stop_gradient(points), period)
+    scale = _search_scale(coords)
+    coords = coords * scale
     coords = jnp.pad(coords, ((0, slots - n), (0, 0)))
     valid = jnp.arange(slots) < n
     split = ft.partial(
@@ -151,7 +166,7 @@ def _build(points: Float[Array, "n d"], leaf_size: int, period):
     min_index = jnp.concatenate([jnp.full((internal,), n, index_dtype), leaf_min_index])
     lo, hi, min_index = _internal_boxes(lo, hi, min_index, depth)
 
-    return leaf_points, leaf_indices, lo, hi, min_index
+    return leaf_points, leaf_indices, lo, hi, min_index, scale
 
 
 class KDTree(eqx.Module):
@@ -178,6 +193,7 @@ class KDTree(eqx.Module):
     node_hi: Float[Array, "nodes d"]
     node_min_index: Int[Array, " nodes"]
     period: Float[Array, " d"] | None
+    scale: Float[Array, ""]
     leaf_size: int = eqx.field(static=True)
 
     def __init__(
@@ -213,7 +229,7 @@ class KDTree(eqx.Module):
         period = _as_period(box, points)
         arrays = _build(points, leaf_size, period)
         self.leaf_points, self.leaf_indices = arrays[:2]
-        self.node_lo, self.node_hi, self.node_min_index = arrays[2:]
+        self.node_lo, self.node_hi, self.node_min_index, self.scale = arrays[2:]
         self.points = points
         self.period = period
         self.leaf_size = leaf_size

@@ -27,7 +27,7 @@ def test_every_point_lands_in_exactly_one_slot(dataset, n):
     np.testing.assert_array_equal(np.sort(real), np.arange(n))
     assert (indices[indices >= n] == n).all()
     np.testing.assert_array_equal(
-        np.asarray(tree.leaf_points)[indices < n], points[real]
+        np.asarray(tree.leaf_points)[indices < n], points[real] * float(tree.scale)
     )
 
 
@@ -62,6 +62,14 @@ def test_median_split_balances_the_tree():
     counts = (leaf_indices < tree.n).sum(1)
     assert counts.sum() == 1000 and counts.max() == tree.leaf_size
     assert tree.num_leaves == 128
+
+
+def test_search_scale_is_an_exact_power_of_two():
+    for magnitude in (1e-30, 1.0, 3.0, 1e30):
+        tree = kdeqx.KDTree(np.array([[magnitude, -magnitude / 2]]))
+        mantissa, _ = np.frexp(float(tree.scale))
+        assert mantissa == 0.5
+        assert 0.5 <= magnitude * float(tree.scale) <= 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

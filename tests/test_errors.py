@@ -75,3 +75,32 @@ def test_non_finite_queries_raise_eagerly_and_under_jit(bad):
         jax.block_until_ready(eqx.filter_jit(lambda t, x: t.query(x))(tree, x))
     with pytest.raises(Exception, match="`x` must be finite"):
         jax.block_until_ready(jax.jit(lambda t, x: t.query(x))(tree, x))
+
+
+def test_index_limits_never_wrap_around():
+    too_many = jax.ShapeDtypeStruct((2**31, 1), np.float32)
+    tree = eqx.filter_eval_shape(kdeqx.KDTree, too_many)  # x64 is on in the tests
+    assert tree.leaf_indices.dtype == np.int64
+    with jax.enable_x64(False):
+        with pytest.raises(ValueError, match="needs 64-bit indices"):
+            eqx.filter_eval_shape(kdeqx.KDTree, too_many)
+    fits = eqx.filter_eval_shape(
+        kdeqx.KDTree, jax.ShapeDtypeStruct((2**20, 1), np.float32)
+    )
+    assert fits.leaf_indices.dtype == np.int32
+
+
+def test_non_finite_values_and_radius_under_jit():
+    tree = kdeqx.KDTree(np.random.default_rng(0).random((6, 2)))
+    values = np.array([0.0, 1.0, np.nan, 0.0, 0.0, 0.0])
+    interpolate = eqx.filter_jit(lambda t, v: t.interpolate(np.zeros(2), v, k=2))
+    with pytest.raises(eqx.EquinoxRuntimeError, match="`values` must be finite"):
+        jax.block_until_ready(interpolate(tree, values))
+    count = eqx.filter_jit(lambda t, r: t.count_ball_point(np.zeros(2), r))
+    with pytest.raises(eqx.EquinoxRuntimeError, match="`r` must be finite"):
+        jax.block_until_ready(count(tree, np.nan))
+
+
+def test_non_finite_box():
+    with pytest.raises(ValueError, match="`box` must be finite"):
+        kdeqx.KDTree(np.zeros((4, 2)), box=np.array([1.0, np.inf]))

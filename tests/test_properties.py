@@ -1,0 +1,172 @@
+"""Property tests (hypothesis) against brute force: hostile data of every kind.
+
+Shapes come from small fixed menus so compiled programs are reused across examples.
+`KDEQX_HYPOTHESIS_PROFILE=long` runs many more examples than CI does.
+"""
+
+import functools as ft
+
+import equinox as eqx
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import assume, given
+
+import kdeqx
+
+from .helpers import assert_knn_correct
+
+
+KINDS = ["uniform", "duplicates", "lattice", "line", "plane", "identical"]
+SCALES = ["unit", "tiny", "huge", "offset"]
+Q = 12
+
+
+def _make_points(rng, kind, n, d):
+    if kind == "uniform":
+        return rng.random((n, d))
+    if kind == "duplicates":
+        distinct = rng.random((max(1, n // 4), d))
+        return distinct[rng.integers(0, len(distinct), n)]
+    if kind == "lattice":
+        return rng.integers(0, 4, (n, d)).astype(float)
+    if kind == "line":
+        return rng.random((n, 1)) * rng.standard_normal(d) + 0.5
+    if kind == "plane":
+        basis = rng.standard_normal((2, d))
+        return rng.random((n, 2)) @ basis + 0.5
+    return np.broadcast_to(rng.random(d), (n, d)).copy()  # identical
+
+
+def _rescale(points, scale):
+    """Extreme but representable coordinates (the tree scales internally)."""
+    return {
+        "unit": points,
+        "tiny": points * 1e-30,
+        "huge": points * 1e30,
+        "offset": points * 0.01 + 1e6,
+    }[scale]
+
+
+@st.composite
+def problems(draw, sizes=(1, 5, 40, 150), dims=(1, 2, 3), scales=tuple(SCALES)):
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    n = draw(st.sampled_from(sizes))
+    d = draw(st.sampled_from(dims))
+    dtype = draw(st.sampled_from([np.float32, np.float64]))
+    kind = draw(st.sampled_from(KINDS))
+    scale = draw(st.sampled_from(scales))
+    points = _make_points(rng, kind, n, d)
+    span = np.ptp(points, axis=0) + 0.5
+    x = points.min(0) - 0.25 + rng.random((Q, d)) * span
+    on_data = rng.integers(0, n, Q // 3)
+    x[: len(on_data)] = points[on_data]  # queries exactly on data points
+    points = _rescale(points, scale).astype(dtype)
+    x = _rescale(x, scale).astype(dtype)
+    return points, x, kind, scale
+
+
+def _exact_ties_expected(points, kind, scale):
+    """When all squared distances are computed exactly, indices must match exactly."""
+    if scale != "unit":
+        return False
+    if points.dtype == np.float64:
+        return True
+    return kind in ("lattice", "identical")
+
+
+@eqx.filter_jit
+def _query(tree, x, k, bound):
+    return tree.query(x, k, distance_upper_bound=bound)
+
+
+@given(problems(), st.sampled_from([1, 3, 10]), st.booleans())
+def test_knn_agrees_with_brute_force(problem, k, bounded):
+    points, x, kind, scale = problem
+    tree = kdeqx.KDTree(points)
+    bound = np.inf
+    if bounded:
+        d = np.linalg.norm(
+            x[:, None].astype(float) - points[None].astype(float), axis=-1
+        )
+        bound = float(np.median(d))
+        relative_gap = np.abs(d / bound - 1)
+        assume(relative_gap.min() > 1e-4)  # no distance on the bound itself
+    distances, indices = _query(tree, x, k, np.asarray(bound, points.dtype))
+    exact = _exact_ties_expected(points, kind, scale)
+    assert_knn_correct(points, x, k, distances, indices, exact_ties=exact, ub=bound)
+
+
+@given(problems())
+def test_radius_count_agrees_with_brute_force(problem):
+    points, x, _, _ = problem
+    d = np.linalg.norm(x[:, None].astype(float) - points[None].astype(float), axis=-1)
+    r = np.quantile(d, 0.3, axis=1)
+    gaps = np.abs(d - r[:, None]) / np.maximum(r[:, None], np.finfo(float).tiny)
+    assume(gaps.min() > 1e-4)
+    counts = kdeqx.KDTree(points).count_ball_point(x, r.astype(points.dtype))
+    np.testing.assert_array_equal(counts, (d <= r[:, None]).sum(1))
+
+
+@given(problems(scales=("unit",)), st.sampled_from([1, 4]))
+def test_periodic_knn_agrees_with_minimum_image_brute_force(problem, k):
+    points, x, _, _ = problem
+    lengths = np.ptp(points, axis=0).astype(float) + 1.0
+    box = lengths.astype(points.dtype)
+    distances, _ = kdeqx.KDTree(points, box=box).query(x, k)
+    diff = x[:, None].astype(float) - points[None].astype(float)
+    diff -= lengths * np.round(diff / lengths)
+    reference = np.sort(np.linalg.norm(diff, axis=-1), axis=1)[:, :k]
+    reference = np.pad(
+        reference,
+        ((0, 0), (0, k - reference.shape[1])),
+        "constant",
+        constant_values=np.inf,
+    )
+    rtol = 1e-5 if points.dtype == np.float32 else 1e-10
+    np.testing.assert_allclose(distances, reference, rtol=rtol, atol=1e-6)
+
+
+@given(problems(), st.sampled_from([1, 4]))
+def test_permuting_points_permutes_indices(problem, k):
+    points, x, _, _ = problem
+    perm = np.random.default_rng(len(points)).permutation(len(points))
+    distances, indices = _query(kdeqx.KDTree(points), x, k, np.inf)
+    distances_p, indices_p = _query(kdeqx.KDTree(points[perm]), x, k, np.inf)
+    np.testing.assert_array_equal(distances, distances_p)
+    n = len(points)
+    mapped = np.where(np.asarray(indices_p) < n, perm[np.minimum(indices_p, n - 1)], n)
+    # Where a distance ties with any other point's, lower-index order may differ.
+    everything, _ = _query(kdeqx.KDTree(points), x, n, np.inf)
+    everything = np.asarray(everything)
+    d = np.asarray(distances)
+    for row in range(len(x)):
+        for j in range(k):
+            tied = np.sum(everything[row] == d[row, j]) > 1
+            if np.isfinite(d[row, j]) and not tied:
+                assert mapped[row, j] == indices[row, j]
+
+
+@ft.partial(jax.jit, static_argnames="box")
+def _gradients(points, x, values, box=None):
+    def loss(points, x, values):
+        tree = kdeqx.KDTree(points, box=box)
+        distances, _ = tree.query(x, 3)
+        counts_free = tree.interpolate(x, values, k=3)
+        smooth = tree.interpolate(x, values, k=3, kernel="gaussian", length_scale=0.3)
+        finite = jnp.where(jnp.isfinite(distances), distances, 0)
+        return finite.sum() + counts_free.sum() + smooth.sum()
+
+    return jax.grad(loss, argnums=(0, 1, 2))(points, x, values)
+
+
+# One size and dimension: every example reuses the same four compiled gradients.
+@given(problems(sizes=(40,), dims=(2,), scales=("unit",)))
+def test_no_nan_gradients_anywhere(problem):
+    points, x, kind, _ = problem
+    values = np.linspace(-1, 1, len(points)).astype(points.dtype)
+    for box in (None, 1.0):
+        for g in _gradients(points, x, values, box=box):
+            assert np.isfinite(g).all(), (kind, box)
