@@ -37,26 +37,6 @@ def _index_dtype(slots: int):
     )
 
 
-def _range_extrema(
-    lo: Float[Array, "leaves d"], hi: Float[Array, "leaves d"], span: Array
-) -> tuple[Float[Array, "leaves d"], Float[Array, "leaves d"]]:
-    """Row `i` becomes the extrema over leaves `[i, i + 2**span)` (by doubling).
-
-    Rows that would wrap around are garbage, but they are only ever read at the start
-    of an aligned segment of `2**span` leaves, where no wrap happens.
-    """
-
-    def double(j, carry):
-        lo, hi = carry
-        step = 2**j
-        return (
-            jnp.minimum(lo, jnp.roll(lo, -step, axis=0)),
-            jnp.maximum(hi, jnp.roll(hi, -step, axis=0)),
-        )
-
-    return lax.fori_loop(0, span, double, (lo, hi))
-
-
 def _leaf_extrema(coords, valid, leaf_size):
     """Per-leaf bounding boxes of the valid points; empty leaves get `(inf, -inf)`."""
     d = coords.shape[1]
@@ -66,28 +46,42 @@ def _leaf_extrema(coords, valid, leaf_size):
     return lo, hi
 
 
-def _split_level(level, perm, *, coords, valid, leaf_size, depth):
-    """Sorts every node of `level` along its widest dimension (a median split).
+def _sorted_orders(coords, valid, index_dtype):
+    """Per dimension, the slots sorted by coordinate (padding last, stable for ties)."""
+    keys = jnp.where(valid[:, None], coords, jnp.inf)
+    return jnp.argsort(keys, axis=0, stable=True).T.astype(index_dtype)
 
-    Each node is a contiguous, aligned segment of `slots >> level` slots, so one stable
-    sort keyed by (segment, coordinate) splits all nodes of the level at once, with the
-    same program at every level.
+
+def _split_level(level, orders, *, coords, n):
+    """Splits every node of `level` at the median of its widest dimension.
+
+    Nodes are aligned segments of `slots >> level` positions, and `orders[j]` lists each
+    segment's slots sorted by coordinate `j`. The widest dimension's first half goes
+    left; every other order is then partitioned stably, so it stays sorted within both
+    halves. One cumulative sum and one scatter per dimension, no sort: the same program
+    at every level.
     """
-    slots = coords.shape[0]
-    slot_coords = coords[perm]
-    slot_valid = valid[perm]
-    lo, hi = _leaf_extrema(slot_coords, slot_valid, leaf_size)
-    span = depth - level  # log2 of the number of leaves per node at this level
-    lo, hi = _range_extrema(lo, hi, span)
-    widest_dim = jnp.argmax(hi - lo, axis=1)
-    position = jnp.arange(slots)
-    segment = position >> (span + (leaf_size.bit_length() - 1))
-    segment_first_leaf = segment << span
-    dim = widest_dim[segment_first_leaf]
-    key = jnp.take_along_axis(slot_coords, dim[:, None], axis=1)[:, 0]
-    key = jnp.where(slot_valid, key, jnp.inf)  # padding sorts to the right
-    _, _, perm = lax.sort((segment, key, perm), num_keys=2, is_stable=True)
-    return perm
+    d, slots = orders.shape
+    shift = (slots.bit_length() - 1) - level  # log2 of the segment size
+    half = (1 << shift) >> 1
+    position = jnp.arange(slots, dtype=orders.dtype)
+    start = (position >> shift) << shift
+    valid_in_segment = jnp.clip(n - start, 0, 1 << shift)
+    last = start + jnp.maximum(valid_in_segment - 1, 0)
+
+    sorted_coords = jnp.take_along_axis(coords.T, orders, axis=1)  # (d, slots)
+    spread = sorted_coords[:, last] - sorted_coords[:, start]
+    widest = jnp.argmax(jnp.where(valid_in_segment > 0, spread, 0), axis=0)
+    chosen_order = jnp.take_along_axis(orders, widest[None], axis=0)[0]
+    goes_left = jnp.zeros(slots, bool).at[chosen_order].set(position - start < half)
+
+    flags = goes_left[orders]  # (d, slots)
+    left_before = jnp.cumsum(flags, axis=1, dtype=orders.dtype) - flags
+    left_rank = left_before - left_before[:, start]
+    right_rank = (position - start) - left_rank
+    destination = start + jnp.where(flags, left_rank, half + right_rank)
+    scatter = jax.vmap(lambda order, dest: jnp.zeros_like(order).at[dest].set(order))
+    return scatter(orders, destination)
 
 
 def _internal_boxes(lo, hi, min_index, depth):
@@ -149,10 +143,9 @@ def _build(points: Float[Array, "n d"], leaf_size: int, period):
     coords = coords * scale
     coords = jnp.pad(coords, ((0, slots - n), (0, 0)))
     valid = jnp.arange(slots) < n
-    split = ft.partial(
-        _split_level, coords=coords, valid=valid, leaf_size=leaf_size, depth=depth
-    )
-    perm = lax.fori_loop(0, depth, split, jnp.arange(slots, dtype=index_dtype))
+    split = ft.partial(_split_level, coords=coords, n=n)
+    orders = lax.fori_loop(0, depth, split, _sorted_orders(coords, valid, index_dtype))
+    perm = orders[0].astype(index_dtype)  # at the leaves every order holds the same set
 
     leaf_points = coords[perm]
     leaf_valid = valid[perm]
