@@ -82,104 +82,123 @@ def _split_exponent(
 
 
 class _Scaled(eqx.Module):
-    """Coefficients `mantissa[..., i] * 2**exponent[..., i]`, in natural order (with
-    optional leading batch axes)."""
+    """A batch of series of scaled matrices: coefficient `i` of series `b` is
+    `mantissa[b, i] * 2**exponent[b, i]`.
 
-    mantissa: Complex[Array, "*batch terms n n"]
-    exponent: Int[Array, "*batch terms"]
+    Both live in one complex array, the exponent (an integer well below 2**24, so
+    exact as a float) in an extra column. One array means one slice, one update and
+    one select per operation instead of two: the scan below is compiled with about
+    a third fewer kernels.
+    """
 
+    packed: Complex[Array, "batch rows n n_plus_1"]
 
-def _scaled(x: Complex[Array, "terms n n"]) -> _Scaled:
-    return _Scaled(*_split_exponent(x))
+    @staticmethod
+    def pack(
+        mantissa: Complex[Array, "batch rows n n"], exponent: Int[Array, "batch rows"]
+    ) -> "_Scaled":
+        column = jnp.broadcast_to(
+            exponent[..., None, None].astype(mantissa.dtype), mantissa.shape[:-1] + (1,)
+        )
+        return _Scaled(jnp.concatenate([mantissa, column], axis=-1))
+
+    @property
+    def mantissa(self) -> Complex[Array, "batch rows n n"]:
+        return self.packed[..., :-1]
+
+    @property
+    def exponent(self) -> Int[Array, "batch rows"]:
+        return self.packed[..., 0, -1].real.astype(jnp.int32)
+
+    def row(self, i: Int[Array, ""]) -> "_Scaled":
+        """Row `i` of every series, as a `rows = 1` batch."""
+        return _Scaled(lax.dynamic_slice_in_dim(self.packed, i, 1, axis=1))
+
+    def with_row(self, i: Int[Array, ""], row: "_Scaled") -> "_Scaled":
+        return _Scaled(lax.dynamic_update_slice_in_dim(self.packed, row.packed, i, 1))
+
+    def select(self, mask: tuple[bool, ...], other: "_Scaled") -> "_Scaled":
+        """Per series of the batch: `self` where `mask`, else `other`."""
+        chosen = jnp.asarray(mask)[:, None, None, None]
+        return _Scaled(jnp.where(chosen, self.packed, other.packed))
+
+    def pick(self, indices: tuple[int, ...]) -> "_Scaled":
+        """The series `indices` of the batch, in that order."""
+        # Static slices rather than a gather: cheaper to compile.
+        return _Scaled(jnp.concatenate([self.packed[i : i + 1] for i in indices]))
 
 
 class _Reversed(eqx.Module):
-    """Scaled coefficients stored back to front and followed by as many zero rows.
+    """A batch of scaled series stored back to front and followed by as many zero
+    rows, for the right-hand factor of a Cauchy product.
 
-    Row `i < L` holds coefficient `L - 1 - i`. The `L` rows from `L - 1 - m` are then
-    coefficients `m, m - 1, ..., 0` followed by zeros: the window a Cauchy product
-    needs, as one dynamic slice, with no masking and no flip per step.
+    With `L` coefficients, row `L - 1 - i` holds coefficient `i`, so the `L` rows from
+    `L - 1 - m` are coefficients `m, m - 1, ..., 0` and then zeros: the window
+    `sum_j a[j] b[m - j]` needs, as one dynamic slice with no mask and no flip.
     """
 
     rows: _Scaled
 
     @staticmethod
     def of(x: _Scaled) -> "_Reversed":
-        mantissa = jnp.concatenate(
-            [jnp.flip(x.mantissa, axis=0), jnp.zeros_like(x.mantissa)]
+        zero = _Scaled.pack(
+            jnp.zeros_like(x.mantissa), jnp.full_like(x.exponent, _ZERO_EXPONENT)
         )
-        zero = jnp.full_like(x.exponent, _ZERO_EXPONENT)
-        exponent = jnp.concatenate([jnp.flip(x.exponent, axis=0), zero])
-        return _Reversed(_Scaled(mantissa, exponent))
+        flipped = jnp.flip(x.packed, axis=1)
+        return _Reversed(_Scaled(jnp.concatenate([flipped, zero.packed], axis=1)))
 
-    def _row(self, m: Int[Array, ""]) -> Int[Array, ""]:
-        return self.rows.exponent.shape[0] // 2 - 1 - m
+    def _index(self, i: Int[Array, ""]) -> Int[Array, ""]:
+        return self.rows.packed.shape[1] // 2 - 1 - i
 
     def window(self, m: Int[Array, ""]) -> _Scaled:
-        """Row `j` holds coefficient `m - j`, zero for `j > m` (and for `m < 0`)."""
-        length = self.rows.exponent.shape[0] // 2
-        start = self._row(m)
+        """Row `j` holds coefficient `m - j`, zero for `j > m`."""
+        length = self.rows.packed.shape[1] // 2
+        start = self._index(m)
         return _Scaled(
-            lax.dynamic_slice_in_dim(self.rows.mantissa, start, length),
-            lax.dynamic_slice_in_dim(self.rows.exponent, start, length),
+            lax.dynamic_slice_in_dim(self.rows.packed, start, length, axis=1)
         )
 
-    def set(
-        self,
-        m: Int[Array, ""],
-        mantissa: Complex[Array, "n n"],
-        exponent: Int[Array, ""],
-    ) -> "_Reversed":
-        return _Reversed(_set(self.rows, self._row(m), mantissa, exponent))
+    def row(self, i: Int[Array, ""]) -> _Scaled:
+        return self.rows.row(self._index(i))
 
-
-def _set(
-    x: _Scaled,
-    m: Int[Array, ""],
-    mantissa: Complex[Array, "n n"],
-    exponent: Int[Array, ""],
-) -> _Scaled:
-    return _Scaled(
-        lax.dynamic_update_index_in_dim(x.mantissa, mantissa, m, 0),
-        lax.dynamic_update_index_in_dim(x.exponent, exponent, m, 0),
-    )
+    def with_row(self, i: Int[Array, ""], row: _Scaled) -> "_Reversed":
+        return _Reversed(self.rows.with_row(self._index(i), row))
 
 
 def _sums_of_products(
-    left: _Scaled, right: _Scaled, factor: Complex[Array, " b"]
-) -> tuple[Complex[Array, "b n n"], Int[Array, " b"]]:
-    """`factor[b] * sum_j left[b, j] @ right[b, j]` as mantissas and exponents.
+    left: _Scaled, right: _Scaled, factor: Complex[Array, " batch"]
+) -> _Scaled:
+    """`factor[b] * sum_j left[b, j] @ right[b, j]`, as a `rows = 1` batch.
 
     Each term is rescaled to the largest term's exponent by an exact power of two
     before adding, so terms far below it vanish harmlessly and nothing overflows.
     """
     exponents = jnp.maximum(left.exponent + right.exponent, _ZERO_EXPONENT)
-    top = jnp.max(exponents, axis=1)
-    shift = exponents - top[:, None]
-    weights = _ldexp(jnp.ones(shift.shape, jnp.finfo(factor.dtype).dtype), shift)
+    top = jnp.max(exponents, axis=1, keepdims=True)
+    weights = _ldexp(jnp.ones(exponents.shape, factor.real.dtype), exponents - top)
     weighted = left.mantissa * (weights[..., None, None] * factor[:, None, None, None])
     # One product for the whole batch; the term index j is contracted with the
     # matrix product.
-    total = lax.dot_general(weighted, right.mantissa, (((1, 3), (1, 2)), ((0,), (0,))))
+    total = lax.dot_general(weighted, right.mantissa, (((1, 3), (1, 2)), ((0,), (0,))))[
+        :, None
+    ]
     mantissa, exponent = _split_exponent(total)
-    return mantissa, jnp.maximum(top + exponent, _ZERO_EXPONENT)
+    return _Scaled.pack(mantissa, jnp.maximum(top + exponent, _ZERO_EXPONENT))
 
 
 def _unit(length: int, n: int, dtype: Any, scale: int) -> _Scaled:
-    """`scale * I` followed by zero coefficients (`scale` is 0 or 1), built directly
-    in scaled form."""
+    """`scale * I` followed by zero coefficients (`scale` is 0 or 1), as a batch of
+    one, built directly in scaled form."""
     first = jnp.full((1, n, n), 0.5 * scale, dtype) * jnp.eye(n, dtype=dtype)
     mantissa = jnp.concatenate([first, jnp.zeros((length - 1, n, n), dtype)])
     exponent = jnp.full((length,), _ZERO_EXPONENT, jnp.int32)
     if scale:
         exponent = jnp.concatenate([jnp.ones((1,), jnp.int32), exponent[1:]])
-    return _Scaled(mantissa, exponent)
+    return _Scaled.pack(mantissa[None], exponent[None])
 
 
-def _stack(*xs: _Scaled) -> _Scaled:
-    return _Scaled(
-        jnp.stack([x.mantissa for x in xs]), jnp.stack([x.exponent for x in xs])
-    )
+def _concatenate(*xs: _Scaled) -> _Scaled:
+    return _Scaled(jnp.concatenate([x.packed for x in xs]))
 
 
 def _heisenberg_coefficients(
@@ -196,38 +215,43 @@ def _heisenberg_coefficients(
     - `Y[k-2] = sum_j W[j] P[k-2-j]`,
 
     so the scan runs two steps past `K`; two slack rows keep those steps in bounds.
+    The left factors `[H, W, X_0, W]` and the right factors `[V, H, V, P]` each live
+    in one batched buffer, `P` stored one row late so that every right factor is
+    windowed at the same `k - 1`: a step reads one window and writes one row of each.
     """
     num_terms, n, _ = hamiltonian.shape
     dtype = hamiltonian.dtype
     slack = 2
+    length = num_terms + slack
     padding = [(0, 0), (0, slack), (0, 0), (0, 0)]
-    both = _Scaled(
-        *_split_exponent(jnp.pad(jnp.stack([hamiltonian, observable]), padding))
-    )
-    h = _Scaled(both.mantissa[0], both.exponent[0])
-    x = _Scaled(both.mantissa[1], both.exponent[1])
-    w = _unit(num_terms + slack, n, dtype, 1)
-    v = _Reversed.of(w)
-    p = _Reversed.of(_unit(num_terms + slack, n, dtype, 0))
-    h_reversed = _Reversed.of(h)
+    both = jnp.pad(jnp.stack([hamiltonian, observable]), padding)
+    h_and_x = _Scaled.pack(*_split_exponent(both))
+    h, x = h_and_x.pick((0,)), h_and_x.pick((1,))
+    identity = _unit(length, n, dtype, 1)
+    zero = _unit(length, n, dtype, 0)
+    left = _concatenate(h, identity, x, identity)
+    right = _Reversed.of(_concatenate(identity, h, identity, zero))
+    # Which series of each buffer a step writes: W in the left; V, V, P in the right.
+    left_written = (False, True, False, True)
+    right_written = (True, False, True, True)
 
-    def step(carry, k):
-        v, w, p = carry
-        v_window = v.window(k - 1)
-        left = _stack(h, w, x, w)
-        right = _stack(v_window, h_reversed.window(k - 1), v_window, p.window(k - 2))
-        kf = k.astype(jnp.finfo(dtype).dtype)
-        factor = jnp.stack([-1j / kf, 1j / kf, 1, 1]).astype(dtype)
-        mantissa, exponent = _sums_of_products(left, right, factor)
-        v = v.set(k, mantissa[0], exponent[0])
-        w = _set(w, k, mantissa[1], exponent[1])
-        p = p.set(k - 1, mantissa[2], exponent[2])
-        return (v, w, p), (mantissa[3], exponent[3])
+    def step(carry, inputs):
+        left, right = carry
+        k, factor = inputs
+        # [V[k], W[k], P[k-1], Y[k-2]]
+        new = _sums_of_products(left, right.window(k - 1), factor)
+        left_row = new.pick((1, 1, 1, 1)).select(left_written, left.row(k))
+        right_row = new.pick((0, 0, 0, 2)).select(right_written, right.row(k))
+        carry = (left.with_row(k, left_row), right.with_row(k, right_row))
+        return carry, new.packed[3, 0]
 
-    steps = jnp.arange(1, num_terms + slack)
-    _, (mantissa, exponent) = lax.scan(step, (v, w, p), steps)
+    steps = jnp.arange(1, length)
+    k = steps.astype(jnp.finfo(dtype).dtype)[:, None]
+    factors = (jnp.array([-1j, 1j, 0, 0]) / k + jnp.array([0, 0, 1, 1])).astype(dtype)
+    _, rows = lax.scan(step, (left, right), (steps, factors))
     # The first step's Y[-1] is an empty sum.
-    return mantissa[1:], exponent[1:]
+    y = _Scaled(rows[None, 1:])
+    return y.mantissa[0], y.exponent[0]
 
 
 def _factorials(

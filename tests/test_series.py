@@ -276,12 +276,14 @@ def test_real_generator_and_int_time():
 
 
 class Generator(eqx.Module):
+    """H(t) = cos(omega t) a + b b^T, with trainable a, b and omega."""
+
     a: jax.Array
     b: jax.Array
     omega: jax.Array
 
     def __call__(self, t):
-        return jnp.cos(self.omega * t) * self.a + jnp.sin(t) * (self.b @ self.b.T)
+        return jnp.cos(self.omega * t) * self.a + self.b @ self.b.T
 
 
 def trainable_series(dtype, order=8):
@@ -320,17 +322,17 @@ def test_grad_matches_finite_differences():
         np.testing.assert_allclose(flat_grad[i], fd, rtol=1e-6)
 
 
-def test_grad_in_float32_and_under_jit_vmap():
+def test_grad_in_float32_and_under_jit_and_vmap():
     t64, t32 = jnp.float64(0.4), jnp.float32(0.4)
     g64 = flat_grads(eqx.filter_grad(loss)(trainable_series(jnp.float64), t64))
     g32 = flat_grads(eqx.filter_grad(loss)(trainable_series(jnp.float32), t32))
     assert g32.dtype == jnp.float32
     np.testing.assert_allclose(g32, g64, rtol=1e-4, atol=1e-4 * np.max(np.abs(g64)))
     per_time = jax.jit(jax.vmap(eqx.filter_grad(loss), in_axes=(None, 0)))(
-        trainable_series(jnp.float64), jnp.array([0.4, 0.9])
+        trainable_series(jnp.float32), jnp.array([0.4, 0.9], jnp.float32)
     )
     first = jax.tree.map(lambda x: x[0], eqx.filter(per_time, eqx.is_inexact_array))
-    np.testing.assert_allclose(flat_grads(first), g64, rtol=1e-12)
+    np.testing.assert_allclose(flat_grads(first), g32, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -352,11 +354,11 @@ class MLPGenerator(eqx.Module):
 
     mlps: tuple[eqx.nn.MLP, ...]
 
-    def __init__(self):
+    def __init__(self, depth):
         keys = jax.random.split(jax.random.key(4), 3)
         activations = [jax.nn.relu, jnp.tanh, jax.nn.softplus]
         self.mlps = tuple(
-            eqx.nn.MLP("scalar", 9, 8, 2, activation=f, key=k)
+            eqx.nn.MLP("scalar", 9, 8, depth, activation=f, key=k)
             for f, k in zip(activations, keys)
         )
 
@@ -365,13 +367,13 @@ class MLPGenerator(eqx.Module):
         return (m + m.T) / 2
 
 
-def mlp_series(order):
+def mlp_series(order, depth):
     observable = jnp.diag(jnp.array([1.0, 0.0, -1.0]))
-    return kdeqx.OperatorSeries(MLPGenerator(), observable, order=order)
+    return kdeqx.OperatorSeries(MLPGenerator(depth), observable, order=order)
 
 
 def test_mlp_generator():
-    series = mlp_series(order=4)
+    series = mlp_series(order=4, depth=2)
     t = jnp.float64(0.4)
     observable = series.observable
     expected = nested_jacfwd(series.hamiltonian, lambda t: observable + 0 * t, 4)(t)
@@ -379,7 +381,7 @@ def test_mlp_generator():
 
 
 def test_mlp_generator_grad():
-    series = mlp_series(order=6)
+    series = mlp_series(order=6, depth=1)
     t = jnp.float64(0.4)
     grads = eqx.filter_grad(loss)(series, t)
     assert np.all(np.isfinite(flat_grads(grads)))
