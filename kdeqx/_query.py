@@ -3,9 +3,9 @@
 from typing import TYPE_CHECKING
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 
+from ._batching import map_queries
 from ._custom_types import Array, ArrayLike, Bool, Float, Int
 from ._metric import minimum_image, safe_norm
 from ._traverse import AbstractVisitor, search_radius2, walk
@@ -138,6 +138,6 @@ def _knn(tree: "KDTree", x, bound, k: int):
     if flat_x.shape[0] == 0 or tree.n == 0:
         indices = jnp.full((*batch, k), tree.n, index_dtype)
     else:
-        indices = jax.vmap(one_query)(flat_x, bound.reshape(-1))
+        indices = map_queries(one_query, flat_x, bound.reshape(-1))
         indices = indices.reshape(*batch, k)
     return neighbour_distances(tree, x, indices), indices

@@ -3,9 +3,9 @@
 from typing import TYPE_CHECKING
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 
+from ._batching import map_queries
 from ._custom_types import Array, ArrayLike, Bool, Float, Int
 from ._query import merge_k_best, neighbour_distances, prepare_queries
 from ._traverse import AbstractVisitor, search_radius2, walk
@@ -87,7 +87,7 @@ def _count(tree: "KDTree", x, r):
     def one_query(xi, ri):
         return walk(tree, xi, _BallCount(search_radius2(tree, ri), index_dtype))
 
-    counts = jax.vmap(one_query)(x.reshape(-1, tree.d), r.reshape(-1))
+    counts = map_queries(one_query, x.reshape(-1, tree.d), r.reshape(-1))
     return counts.reshape(x.shape[:-1])
 
 
@@ -126,6 +126,6 @@ def _collect(tree: "KDTree", x, r, k: int):
         empty = indices == jnp.iinfo(index_dtype).max
         return jnp.where(empty, tree.n, indices), count
 
-    indices, counts = jax.vmap(one_query)(x.reshape(-1, tree.d), r.reshape(-1))
+    indices, counts = map_queries(one_query, x.reshape(-1, tree.d), r.reshape(-1))
     indices = indices.reshape(*batch, k)
     return neighbour_distances(tree, x, indices), indices, counts.reshape(batch)

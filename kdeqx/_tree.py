@@ -194,7 +194,7 @@ class KDTree(eqx.Module):
         points: ArrayLike,
         *,
         box: None | float | ArrayLike = None,
-        leaf_size: int = 8,
+        leaf_size: int = 16,
     ):
         """**Arguments:**
 
@@ -210,7 +210,7 @@ class KDTree(eqx.Module):
             `L` (so points just outside `[0, L)` from round-off are wrapped, not
             rejected); `points` itself is kept as given.
         - `leaf_size`: points per leaf bucket (static Python int, a power of two,
-            default 8). Larger leaves make a shallower tree and more brute-force work
+            default 16). Larger leaves make a shallower tree and more brute-force work
             per visited leaf.
         """
         points = as_float_array("points", points)

@@ -106,3 +106,14 @@ def assert_knn_correct(points, x, k, distances, indices, *, exact_ties, ub=np.in
     for row in indices:
         real = row[row < n]
         assert len(np.unique(real)) == len(real), "a neighbour was returned twice"
+
+
+def central_difference(f, x, eps=1e-6):
+    """The gradient of a scalar function by central differences, in float64."""
+    x = np.asarray(x, np.float64)
+    grad = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        step = np.zeros_like(x)
+        step[i] = eps
+        grad[i] = (f(x + step) - f(x - step)) / (2 * eps)
+    return grad

@@ -57,7 +57,7 @@ def test_node_boxes_are_tight_and_nested(dataset):
 
 def test_median_split_balances_the_tree():
     # Every leaf but the last ones (which take the padding) is full.
-    tree = kdeqx.KDTree(np.random.default_rng(0).random((1000, 2)))
+    tree = kdeqx.KDTree(np.random.default_rng(0).random((1000, 2)), leaf_size=8)
     _, leaf_indices = _leaves_of(tree)
     counts = (leaf_indices < tree.n).sum(1)
     assert counts.sum() == 1000 and counts.max() == tree.leaf_size

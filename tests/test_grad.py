@@ -7,15 +7,7 @@ import numpy as np
 
 import kdeqx
 
-
-def _central_difference(f, x, eps=1e-6):
-    x = np.asarray(x, np.float64)
-    grad = np.zeros_like(x)
-    for i in np.ndindex(x.shape):
-        step = np.zeros_like(x)
-        step[i] = eps
-        grad[i] = (f(x + step) - f(x - step)) / (2 * eps)
-    return grad
+from .helpers import central_difference
 
 
 @ft.partial(jax.jit, static_argnums=2)
@@ -30,7 +22,7 @@ def test_grad_wrt_queries_matches_finite_differences():
     points = rng.random((200, 3))
     x = rng.random((5, 3))
     grad = jax.grad(_weighted_distances, argnums=1)(points, x)
-    reference = _central_difference(lambda x: float(_weighted_distances(points, x)), x)
+    reference = central_difference(lambda x: float(_weighted_distances(points, x)), x)
     np.testing.assert_allclose(grad, reference, rtol=1e-6, atol=1e-8)
 
 
@@ -39,7 +31,7 @@ def test_grad_wrt_points_matches_finite_differences():
     points = rng.random((40, 2))
     x = rng.random((6, 2))
     grad = jax.jit(jax.grad(_weighted_distances))(points, x)
-    reference = _central_difference(lambda p: float(_weighted_distances(p, x)), points)
+    reference = central_difference(lambda p: float(_weighted_distances(p, x)), points)
     np.testing.assert_allclose(grad, reference, rtol=1e-6, atol=1e-8)
     assert np.abs(grad).sum() > 0
 

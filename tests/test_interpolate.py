@@ -7,7 +7,7 @@ from scipy.spatial import cKDTree
 
 import kdeqx
 
-from .helpers import DTYPES
+from .helpers import central_difference, DTYPES
 
 
 def _idw_reference(points, values, x, k, power):
@@ -77,15 +77,6 @@ def test_tiny_distances_do_not_overflow():
     np.testing.assert_allclose(out, [1.0])
 
 
-def _central(f, x, eps=1e-6):
-    grad = np.zeros_like(x)
-    for i in np.ndindex(x.shape):
-        step = np.zeros_like(x)
-        step[i] = eps
-        grad[i] = (f(x + step) - f(x - step)) / (2 * eps)
-    return grad
-
-
 @pytest.mark.parametrize("kernel", ["idw", "gaussian"])
 def test_interpolator_grads_match_finite_differences(kernel):
     rng = np.random.default_rng(2)
@@ -101,14 +92,17 @@ def test_interpolator_grads_match_finite_differences(kernel):
         return jnp.sum(model(x) ** 2)
 
     grads = eqx.filter_grad(loss)(model, x)
-    numeric = _central(
+    numeric = central_difference(
         lambda v: float(loss(eqx.tree_at(lambda m: m.values, model, v), x)),
         np.asarray(model.values),
     )
     np.testing.assert_allclose(grads.values, numeric, rtol=1e-6, atol=1e-9)
     grad_x = jax.grad(lambda x: loss(model, x))(x)
     np.testing.assert_allclose(
-        grad_x, _central(lambda x: float(loss(model, x)), x), rtol=1e-5, atol=1e-8
+        grad_x,
+        central_difference(lambda x: float(loss(model, x)), x),
+        rtol=1e-5,
+        atol=1e-8,
     )
 
 
@@ -122,7 +116,7 @@ def test_gradient_wrt_points():
 
     np.testing.assert_allclose(
         jax.grad(f)(points),
-        _central(lambda p: float(f(p)), points),
+        central_difference(lambda p: float(f(p)), points),
         rtol=1e-5,
         atol=1e-8,
     )
