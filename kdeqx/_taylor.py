@@ -16,6 +16,7 @@ no rule at all. Nonsmooth primitives (`max`, `abs`, `select_n`, comparisons, ...
 the piece that is active at the expansion point.
 """
 
+import functools as ft
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,12 +33,22 @@ class _Series:
 
     `coeffs` has shape `(K + 1, *aval.shape)`. Any other environment value is a
     constant: a plain array whose higher coefficients are implicitly zero.
+
+    `affine` records (at trace time) that every coefficient past the first is zero,
+    as for the seed `t + s` and anything linear in it. `exp`, `sin`, `cos`, `sinh` and
+    `cosh` of an affine series have closed forms, so the common generators
+    (`cos(w t) A`, `exp(-t) B`, ...) need no recurrence loop at all.
     """
 
-    __slots__ = ("coeffs",)
+    __slots__ = ("coeffs", "affine")
 
-    def __init__(self, coeffs: Array):
+    def __init__(self, coeffs: Array, affine: bool = False):
         self.coeffs = coeffs
+        self.affine = affine
+
+
+def _all_affine(invals: Sequence[Any]) -> bool:
+    return all(x.affine for x in invals if isinstance(x, _Series))
 
 
 # ----------------------------------------------------------------------------------
@@ -308,9 +319,9 @@ def _elementwise_inputs(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list[Array]
     return [broadcast(x) for x in invals]
 
 
-def _finish(eqn: jex.JaxprEqn, coeffs: Array) -> list[Any]:
+def _finish(eqn: jex.JaxprEqn, coeffs: Array, affine: bool = False) -> list[Any]:
     (aval,) = _out_avals(eqn)
-    return [_Series(coeffs.astype(aval.dtype))]
+    return [_Series(coeffs.astype(aval.dtype), affine)]
 
 
 def _linear_rule(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
@@ -330,7 +341,7 @@ def _linear_rule(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
             args.append(x)
             axes.append(None)
     out = jax.vmap(lambda *a: _bind(eqn, *a), in_axes=axes)(*args)
-    return [_Series(o) for o in _as_list(eqn, out)]
+    return [_Series(o, _all_affine(invals)) for o in _as_list(eqn, out)]
 
 
 def _scaling_rule(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
@@ -338,7 +349,7 @@ def _scaling_rule(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     axes = [0 if isinstance(x, _Series) else None for x in invals]
     args = [x.coeffs if isinstance(x, _Series) else x for x in invals]
     out = jax.vmap(lambda *a: _bind(eqn, *a), in_axes=axes)(*args)
-    return [_Series(out)]
+    return [_Series(out, _all_affine(invals))]
 
 
 def _mul_rule(eqn, invals):
@@ -380,12 +391,65 @@ def _div_rule(eqn, invals):
     return _finish(eqn, _divide(a, b))
 
 
-def _unary(fn: Callable[[Array], Array]) -> Callable:
+def _unary(
+    fn: Callable[[Array], Array],
+    closed_form: Callable[[Array, Array, int], Array] | None = None,
+    keeps_affine: bool = False,
+) -> Callable:
+    """A rule for an elementwise function: `fn` maps coefficients to coefficients;
+    `closed_form(a, b, K + 1)` gives the coefficients of `f(a + b s)` directly."""
+
     def rule(eqn, invals):
         (x,) = _elementwise_inputs(eqn, invals)
-        return _finish(eqn, fn(x))
+        if closed_form is not None and _all_affine(invals):
+            # x[1:2].sum(0) is x[1], or zero when K = 0.
+            return _finish(eqn, closed_form(x[0], x[1:2].sum(axis=0), x.shape[0]))
+        return _finish(eqn, fn(x), keeps_affine and _all_affine(invals))
 
     return rule
+
+
+def _powers_over_factorials(b: Array, num_terms: int) -> Array:
+    """`b**m / m!` for `m = 0..K`, as a running product so that neither `b**m` nor
+    `m!` has to be representable on its own. (A loop with a one-multiply body:
+    far cheaper to compile than `jnp.cumprod`.)"""
+
+    def next_power(m, q):
+        return _set(q, m, q[m - 1] * b / m.astype(b.dtype))
+
+    first = _with_first(jnp.ones_like(b), num_terms)
+    return lax.fori_loop(1, num_terms, next_power, first)
+
+
+def _quarter_turns(num_terms: int, dtype: Any, ndim: int) -> tuple[Array, Array]:
+    """`cos(m pi / 2)` and `sin(m pi / 2)` for `m = 0..K`, exactly."""
+    m = jnp.arange(num_terms)
+    sign = 1 - 2 * ((m // 2) % 2)
+    shape = (num_terms,) + (1,) * ndim
+    cos = ((1 - m % 2) * sign).astype(dtype).reshape(shape)
+    sin = ((m % 2) * sign).astype(dtype).reshape(shape)
+    return cos, sin
+
+
+def _exp_affine(a: Array, b: Array, num_terms: int) -> Array:
+    return jnp.exp(a) * _powers_over_factorials(b, num_terms)
+
+
+def _sin_cos_affine(a: Array, b: Array, num_terms: int, sine: bool) -> Array:
+    # The m-th derivative of sin(a + b s) is b^m sin(a + m pi / 2).
+    turns_cos, turns_sin = _quarter_turns(num_terms, a.dtype, a.ndim)
+    if sine:
+        phase = jnp.sin(a) * turns_cos + jnp.cos(a) * turns_sin
+    else:
+        phase = jnp.cos(a) * turns_cos - jnp.sin(a) * turns_sin
+    return phase * _powers_over_factorials(b, num_terms)
+
+
+def _sinh_cosh_affine(a: Array, b: Array, num_terms: int, sinh: bool) -> Array:
+    # Derivatives alternate between sinh and cosh.
+    even = (jnp.arange(num_terms) % 2 == 0).reshape((num_terms,) + (1,) * a.ndim)
+    first, second = (jnp.sinh(a), jnp.cosh(a)) if sinh else (jnp.cosh(a), jnp.sinh(a))
+    return jnp.where(even, first, second) * _powers_over_factorials(b, num_terms)
 
 
 def _integer_pow_rule(eqn, invals):
@@ -489,18 +553,21 @@ def _choose(first: Array, tie: Array, a: Array, b: Array) -> Array:
 
 def _max_rule(eqn, invals):
     a, b = _elementwise_inputs(eqn, invals)
-    return _finish(eqn, _choose(a[0] > b[0], a[0] == b[0], a, b))
+    chosen = _choose(a[0] > b[0], a[0] == b[0], a, b)
+    return _finish(eqn, chosen, _all_affine(invals))
 
 
 def _min_rule(eqn, invals):
     a, b = _elementwise_inputs(eqn, invals)
-    return _finish(eqn, _choose(a[0] < b[0], a[0] == b[0], a, b))
+    chosen = _choose(a[0] < b[0], a[0] == b[0], a, b)
+    return _finish(eqn, chosen, _all_affine(invals))
 
 
 def _clamp_rule(eqn, invals):
     lo, x, hi = _elementwise_inputs(eqn, invals)
     inner = jnp.where(x[0] > hi[0], hi, x)
-    return _finish(eqn, jnp.where(x[0] < lo[0], lo, inner))
+    chosen = jnp.where(x[0] < lo[0], lo, inner)
+    return _finish(eqn, chosen, _all_affine(invals))
 
 
 def _reduce_chooser_rule(eqn, invals):
@@ -584,15 +651,25 @@ _RULES: dict[str, Callable[[jex.JaxprEqn, Sequence[Any]], list[Any]]] = {
     "sqrt": _unary(_sqrt),
     "rsqrt": _unary(lambda x: _power(x, jnp.asarray(-0.5, x.dtype))),
     "cbrt": _unary(lambda x: _power(x, jnp.asarray(1 / 3, x.dtype))),
-    "exp": _unary(_exp),
+    "exp": _unary(_exp, _exp_affine),
     "exp2": _unary(lambda x: _set_first(_exp(x * np.log(2)), jnp.exp2(x[0]))),
-    "expm1": _unary(_expm1),
+    "expm1": _unary(
+        _expm1, lambda a, b, k: _set_first(_exp_affine(a, b, k), jnp.expm1(a))
+    ),
     "log": _unary(_log),
     "log1p": _unary(_log1p),
-    "sin": _unary(lambda x: _sin_cos(x, -1.0)[0]),
-    "cos": _unary(lambda x: _sin_cos(x, -1.0)[1]),
-    "sinh": _unary(lambda x: _sin_cos(x, 1.0)[0]),
-    "cosh": _unary(lambda x: _sin_cos(x, 1.0)[1]),
+    "sin": _unary(
+        lambda x: _sin_cos(x, -1.0)[0], ft.partial(_sin_cos_affine, sine=True)
+    ),
+    "cos": _unary(
+        lambda x: _sin_cos(x, -1.0)[1], ft.partial(_sin_cos_affine, sine=False)
+    ),
+    "sinh": _unary(
+        lambda x: _sin_cos(x, 1.0)[0], ft.partial(_sinh_cosh_affine, sinh=True)
+    ),
+    "cosh": _unary(
+        lambda x: _sin_cos(x, 1.0)[1], ft.partial(_sinh_cosh_affine, sinh=False)
+    ),
     "tan": _unary(_tan),
     "tanh": _unary(_tanh),
     "logistic": _unary(_logistic),
@@ -603,7 +680,7 @@ _RULES: dict[str, Callable[[jex.JaxprEqn, Sequence[Any]], list[Any]]] = {
     "acosh": _unary(_acosh),
     "atanh": _unary(_atanh),
     "erf": _unary(_erf),
-    "abs": _unary(_abs),
+    "abs": _unary(_abs, keeps_affine=True),
     "atan2": _atan2_rule,
     "max": _max_rule,
     "min": _min_rule,
@@ -713,7 +790,7 @@ def taylor_coefficients(
     t = jnp.asarray(t)
     closed, out_shapes = jax.make_jaxpr(fn, return_shape=True)(t)
     num_terms = order + 1
-    seed = _Series(_identity_series(t, num_terms))
+    seed = _Series(_identity_series(t, num_terms), affine=True)
     outs = _eval_jaxpr(closed.jaxpr, closed.consts, [seed])
     coeffs = [_lift(o, num_terms) for o in outs]
     return jax.tree.unflatten(jax.tree.structure(out_shapes), coeffs)
