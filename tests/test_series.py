@@ -405,7 +405,9 @@ def test_mlp_generator_grad():
 
 
 def analytic_functions(xp):
-    """Analytic functions of t, written once for jax.numpy and once for numpy."""
+    """Analytic functions of t, written once for jax.numpy and once for numpy. `exp`,
+    `sin`, `cos`, `sinh`, `cosh` of something affine in t take closed forms; of
+    anything else, recurrences: both are covered."""
     return [
         lambda t: xp.exp(t) * xp.sin(2 * t) + xp.cos(t) / (t * t + 1),
         lambda t: xp.log(t + 2) + xp.sqrt(t + 1) + (t + 2) ** 1.7 + (t + 1) ** -3,
@@ -413,6 +415,14 @@ def analytic_functions(xp):
         lambda t: xp.sinh(t) * xp.cosh(t / 3) + xp.arcsinh(t) + xp.arctanh(t / 3),
         lambda t: xp.arcsin(t / 3) - xp.arccos(t / 4) + xp.log1p(t) + xp.expm1(t),
         lambda t: (t + 2) ** t + 2.0**t + t**5 + (xp.exp(1j * t) - xp.exp(-1j * t)) * t,
+        # Not affine in t: the recurrences rather than the closed forms.
+        lambda t: (
+            xp.sin(t * t)
+            + xp.cos(xp.exp(t) / 3)
+            + xp.sinh(t * t / 2)
+            + xp.cosh(xp.sin(t))
+            + xp.exp(xp.cos(t))
+        ),
     ]
 
 
