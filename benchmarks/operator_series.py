@@ -94,7 +94,10 @@ def closed_form(t, order):
     exp(2i (sin(t + s) - sin t)), by the scalar recurrence for exp in float64."""
     sin_derivatives = [np.sin(t), np.cos(t), -np.sin(t), -np.cos(t)]
     g = np.array(
-        [2j * sin_derivatives[m % 4] / math.factorial(m) for m in range(order + 1)]
+        [
+            2j * sin_derivatives[m % 4] * math.exp(-math.lgamma(m + 1))
+            for m in range(order + 1)
+        ]
     )
     c = np.zeros(order + 1, complex)
     c[0] = 1.0
