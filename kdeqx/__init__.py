@@ -4,6 +4,7 @@ import importlib.metadata
 
 from ._interpolate import Interpolator as Interpolator
 from ._series import OperatorSeries as OperatorSeries
+from ._sharded import ShardedKDTree as ShardedKDTree
 from ._tree import KDTree as KDTree
 
 

@@ -132,7 +132,7 @@ class ShardedKDTree(eqx.Module):
         axis_name: str = "shards",
         *,
         box: None | float | ArrayLike = None,
-        leaf_size: int = 8,
+        leaf_size: int = 16,
     ):
         """**Arguments:**
 

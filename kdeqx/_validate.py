@@ -49,9 +49,15 @@ def check_finite(name: str, array: Array) -> Array:
                 f"value(s) (first at index {first})."
             )
         return array
-    return eqx.error_if(
-        array, ~jnp.all(jnp.isfinite(array)), f"`{name}` must be finite (no NaN/inf)."
+    # The check raises on a scalar tied back to the array, not on the array itself:
+    # `error_if` on a sharded array would replicate it (its error branch is a host
+    # callback shaped like the array) and so all-gather sharded queries.
+    token = eqx.error_if(
+        jnp.zeros((), array.dtype),
+        ~jnp.all(jnp.isfinite(array)),
+        f"`{name}` must be finite (no NaN/inf).",
     )
+    return array + token
 
 
 def check_points_shape(name: str, array: Array) -> None:
@@ -89,4 +95,7 @@ def check_nonnegative(name: str, array: Array) -> Array:
         if (np.asarray(array) < 0).any():
             raise ValueError(f"`{name}` must be >= 0, got {np.asarray(array).min()}.")
         return array
-    return eqx.error_if(array, jnp.any(array < 0), f"`{name}` must be >= 0.")
+    token = eqx.error_if(
+        jnp.zeros((), array.dtype), jnp.any(array < 0), f"`{name}` must be >= 0."
+    )
+    return array + token

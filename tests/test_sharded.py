@@ -146,13 +146,6 @@ def test_sharded_tree_communicates_only_candidates(shared_checks):
     _assert_passed(shared_checks, "sharded_communication")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="`check_finite` (`kdeqx/_validate.py`) applies `eqx.error_if` to the whole "
-    "query array under `jit`; its host callback returns an array like the queries, "
-    "which the partitioner replicates, so the queries are all-gathered and every "
-    "device answers every query.",
-)
 def test_jit_over_split_queries(shared_checks):
     _assert_passed(shared_checks, "jit_queries")
 
@@ -162,8 +155,8 @@ def test_jit_over_split_queries(shared_checks):
     reason="On a mesh with explicit axes (the default of `jax.make_mesh`), `knn` "
     "broadcasts `distance_upper_bound` (and `_prepare_radius` `r`) unsharded next to "
     "the split queries under `vmap`, and the walk's gathers from the replicated tree "
-    "by split indices need an `out_sharding`: tracing fails (and then the "
-    "`check_finite` gather above).",
+    "by split indices need an `out_sharding`: tracing fails. Known limitation; "
+    "`jax.shard_map` works on such meshes (docs/scaling.md).",
 )
 def test_jit_over_split_queries_on_an_explicit_mesh(shared_checks):
     _assert_passed(shared_checks, "jit_queries_explicit")
