@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     )
 
     try:
-        from scipy.spatial import cKDTree
+        from scipy.spatial import cKDTree  # pyright: ignore
     except ImportError:
         print("scipy is not installed: `pip install scipy` to compare.")
         return 0

@@ -57,7 +57,7 @@ def _check_values(tree: "KDTree", values: ArrayLike) -> Float[Array, "n ..."]:
     return check_finite("values", values)
 
 
-def _check_kernel(kernel, power, length_scale):
+def check_kernel(kernel, power, length_scale):
     if kernel == "idw":
         if not power > 0:
             raise ValueError(f"`power` must be > 0 for kernel='idw', got {power}.")
@@ -81,7 +81,7 @@ def interpolate(
     if tree.n == 0:
         raise ValueError("Cannot interpolate from an empty tree (n = 0).")
     k = check_static_int("k", k, 1)
-    _check_kernel(kernel, power, length_scale)
+    check_kernel(kernel, power, length_scale)
     values = _check_values(tree, values)
     distances, indices = knn(tree, x, k, jnp.inf)
     found = indices < tree.n
@@ -141,7 +141,7 @@ class Interpolator(eqx.Module):
         - `power`: the IDW exponent (static float > 0).
         - `length_scale`: the Gaussian kernel's width (a trainable leaf).
         """
-        _check_kernel(kernel, power, length_scale)
+        check_kernel(kernel, power, length_scale)
         self.tree = tree
         self.values = _check_values(tree, values)
         self.length_scale = (

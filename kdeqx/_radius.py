@@ -9,7 +9,7 @@ from ._batching import map_queries
 from ._custom_types import Array, ArrayLike, Bool, Float, Int
 from ._query import merge_k_best, neighbour_distances, prepare_queries
 from ._traverse import AbstractVisitor, search_radius2, walk
-from ._validate import as_float_array, check_nonnegative, check_static_int
+from ._validate import check_radius, check_static_int
 
 
 if TYPE_CHECKING:
@@ -62,15 +62,7 @@ class _BallNearest(AbstractVisitor):
 
 def _prepare_radius(tree: "KDTree", x, r):
     x = prepare_queries(tree, x)
-    r = as_float_array("r", r, dtype=x.dtype)
-    batch = x.shape[:-1]
-    if r.ndim > 0 and r.shape != batch:
-        raise ValueError(
-            f"`r` must be a scalar or have the queries' batch shape {batch}, got "
-            f"shape {tuple(r.shape)}."
-        )
-    r = check_nonnegative("r", r)
-    return x, jnp.broadcast_to(r, batch)
+    return x, check_radius(r, x.shape[:-1], x.dtype)
 
 
 def count_ball_point(tree: "KDTree", x: ArrayLike, r) -> Int[Array, "*batch"]:

@@ -6,32 +6,21 @@ import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._custom_types import Array, ArrayLike, Float, Int
-from ._interpolate import gaussian_weights, idw_weights, Kernel
+from ._interpolate import check_kernel, gaussian_weights, idw_weights, Kernel
 from ._tree import KDTree
 from ._validate import (
     as_float_array,
     check_finite,
-    check_nonnegative,
     check_points_shape,
     check_queries_shape,
+    check_radius,
     check_static_int,
+    index_dtype_for,
     is_concrete,
 )
-
-
-def _global_index_dtype(n: int):
-    if n < np.iinfo(np.int32).max:
-        return jnp.int32
-    if jax.config.read("jax_enable_x64"):
-        return jnp.int64
-    raise ValueError(
-        f"{n} points need 64-bit indices: enable them with "
-        "`jax.config.update('jax_enable_x64', True)` before building the tree."
-    )
 
 
 def _split_rows(rows: Array, num_shards: int) -> tuple[Array, Array]:
@@ -232,15 +221,7 @@ class ShardedKDTree(eqx.Module):
         Integer counts of shape `(...)`, replicated over the mesh.
         """
         x = self._prepare_queries(x)
-        r = as_float_array("r", r, dtype=x.dtype)
-        batch = x.shape[:-1]
-        if r.ndim > 0 and r.shape != batch:
-            raise ValueError(
-                f"`r` must be a scalar or have the queries' batch shape {batch}, got "
-                f"shape {tuple(r.shape)}."
-            )
-        r = jnp.broadcast_to(check_nonnegative("r", r), batch)
-        return _count(self, x, r)
+        return _count(self, x, check_radius(r, x.shape[:-1], x.dtype))
 
     def interpolate(
         self,
@@ -276,7 +257,7 @@ class ShardedKDTree(eqx.Module):
         if self.n == 0:
             raise ValueError("Cannot interpolate from an empty tree (n = 0).")
         k = check_static_int("k", k, 1)
-        _check_kernel(kernel, power, length_scale)
+        check_kernel(kernel, power, length_scale)
         values = as_float_array("values", values)
         if values.ndim < 1 or values.shape[0] != self.n:
             raise ValueError(
@@ -320,17 +301,6 @@ def _reject_nonfinite(name: str, array: Array) -> None:
     """
     if is_concrete(array) and not bool(jnp.all(jnp.isfinite(array))):
         check_finite(name, array)  # raises, naming the first bad entry
-
-
-def _check_kernel(kernel, power, length_scale) -> None:
-    if kernel == "idw":
-        if not power > 0:
-            raise ValueError(f"`power` must be > 0 for kernel='idw', got {power}.")
-    elif kernel == "gaussian":
-        if length_scale is None:
-            raise ValueError("kernel='gaussian' needs a `length_scale`.")
-    else:
-        raise ValueError(f"`kernel` must be 'idw' or 'gaussian', got {kernel!r}.")
 
 
 def _positive_length_scale(length_scale, dtype) -> Float[Array, ""]:
@@ -408,7 +378,7 @@ def _nearest(
     """The exact `k` nearest of all points, and their rows of `values` if given."""
     n, per_shard = tree.n, tree.per_shard
     leftover_start = tree.num_shards * per_shard
-    index_dtype = _global_index_dtype(n)
+    index_dtype = index_dtype_for(n)
     batch_ndim = x.ndim - 1
     if values is None:
         value_blocks = value_rest = None
@@ -461,7 +431,7 @@ def _count(
     tree: ShardedKDTree, x: Float[Array, "*batch d"], r: Float[Array, "*batch"]
 ) -> Int[Array, "*batch"]:
     """The sum of every tree's count."""
-    index_dtype = _global_index_dtype(tree.n)
+    index_dtype = index_dtype_for(tree.n)
 
     def on_device(shards, leftover, x, r):
         counts = jnp.zeros(x.shape[:-1], index_dtype)

@@ -7,7 +7,6 @@ import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
-import numpy as np
 
 from . import _interpolate, _query, _radius
 from ._custom_types import Array, ArrayLike, Float, Int
@@ -17,6 +16,7 @@ from ._validate import (
     check_finite,
     check_points_shape,
     check_static_int,
+    index_dtype_for,
 )
 
 
@@ -24,17 +24,6 @@ def _tree_depth(n: int, leaf_size: int) -> int:
     """Levels of splits so that `2**depth` leaves of `leaf_size` slots hold `n`."""
     leaves_needed = max(1, math.ceil(n / leaf_size))
     return (leaves_needed - 1).bit_length()
-
-
-def _index_dtype(slots: int):
-    if slots < np.iinfo(np.int32).max:
-        return jnp.int32
-    if jax.config.read("jax_enable_x64"):
-        return jnp.int64
-    raise ValueError(
-        f"A tree with {slots} slots needs 64-bit indices: enable them with "
-        "`jax.config.update('jax_enable_x64', True)` before building it."
-    )
 
 
 def _leaf_extrema(coords, valid, leaf_size):
@@ -136,7 +125,7 @@ def _build(points: Float[Array, "n d"], leaf_size: int, period):
     n, _ = points.shape
     depth = _tree_depth(n, leaf_size)
     slots = leaf_size << depth
-    index_dtype = _index_dtype(slots)
+    index_dtype = index_dtype_for(slots)
 
     coords = wrap_into_box(lax.stop_gradient(points), period)
     scale = _search_scale(coords)

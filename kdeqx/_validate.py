@@ -99,3 +99,26 @@ def check_nonnegative(name: str, array: Array) -> Array:
         jnp.zeros((), array.dtype), jnp.any(array < 0), f"`{name}` must be >= 0."
     )
     return array + token
+
+
+def index_dtype_for(count: int):
+    """int32 where it holds `count` indices, else int64 (which needs x64 enabled)."""
+    if count < np.iinfo(np.int32).max:
+        return jnp.int32
+    if jax.config.read("jax_enable_x64"):
+        return jnp.int64
+    raise ValueError(
+        f"{count} indices need 64-bit integers: enable them with "
+        "`jax.config.update('jax_enable_x64', True)` before building the tree."
+    )
+
+
+def check_radius(r, batch: tuple[int, ...], dtype) -> Array:
+    """A finite radius `>= 0`, scalar or one per query, broadcast to `batch`."""
+    r = as_float_array("r", r, dtype=dtype)
+    if r.ndim > 0 and r.shape != batch:
+        raise ValueError(
+            f"`r` must be a scalar or have the queries' batch shape {batch}, got "
+            f"shape {tuple(r.shape)}."
+        )
+    return jnp.broadcast_to(check_nonnegative("r", r), batch)

@@ -82,7 +82,7 @@ def test_index_limits_never_wrap_around():
     tree = eqx.filter_eval_shape(kdeqx.KDTree, too_many)  # x64 is on in the tests
     assert tree.leaf_indices.dtype == np.int64
     with jax.enable_x64(False):
-        with pytest.raises(ValueError, match="needs 64-bit indices"):
+        with pytest.raises(ValueError, match="need 64-bit integers"):
             eqx.filter_eval_shape(kdeqx.KDTree, too_many)
     fits = eqx.filter_eval_shape(
         kdeqx.KDTree, jax.ShapeDtypeStruct((2**20, 1), np.float32)
