@@ -424,10 +424,11 @@ def _powers_over_factorials(b: Array, num_terms: int) -> Array:
 def _quarter_turns(num_terms: int, dtype: Any, ndim: int) -> tuple[Array, Array]:
     """`cos(m pi / 2)` and `sin(m pi / 2)` for `m = 0..K`, exactly."""
     m = jnp.arange(num_terms)
-    sign = 1 - 2 * ((m // 2) % 2)
+    odd = m & 1
+    sign = 1 - 2 * ((m >> 1) & 1)
     shape = (num_terms,) + (1,) * ndim
-    cos = ((1 - m % 2) * sign).astype(dtype).reshape(shape)
-    sin = ((m % 2) * sign).astype(dtype).reshape(shape)
+    cos = ((1 - odd) * sign).astype(dtype).reshape(shape)
+    sin = (odd * sign).astype(dtype).reshape(shape)
     return cos, sin
 
 
@@ -447,7 +448,7 @@ def _sin_cos_affine(a: Array, b: Array, num_terms: int, sine: bool) -> Array:
 
 def _sinh_cosh_affine(a: Array, b: Array, num_terms: int, sinh: bool) -> Array:
     # Derivatives alternate between sinh and cosh.
-    even = (jnp.arange(num_terms) % 2 == 0).reshape((num_terms,) + (1,) * a.ndim)
+    even = ((jnp.arange(num_terms) & 1) == 0).reshape((num_terms,) + (1,) * a.ndim)
     first, second = (jnp.sinh(a), jnp.cosh(a)) if sinh else (jnp.cosh(a), jnp.sinh(a))
     return jnp.where(even, first, second) * _powers_over_factorials(b, num_terms)
 
