@@ -19,6 +19,7 @@ import time
 import equinox as eqx
 import jax
 import numpy as np
+from _timing import best_of
 from scipy.spatial import cKDTree
 
 import kdeqx
@@ -27,15 +28,6 @@ import kdeqx
 K = 8
 POWER = 2.0
 MEAN_NEIGHBOURS = 8
-
-
-def best_of(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def first_call(fn):

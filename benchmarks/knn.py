@@ -14,6 +14,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import best_of
 from scipy.spatial import cKDTree
 
 import kdeqx
@@ -29,15 +30,6 @@ def clustered(rng, n, d):
 
 
 DATA = {"uniform": uniform, "clustered": clustered}
-
-
-def best_of(fn, repeats=3):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 @eqx.filter_jit

@@ -29,19 +29,15 @@ import json
 import os
 import subprocess
 import sys
-import time
+
+from _timing import best_of
 
 
-def best_of(fn, repeats):
+def warm_best_of(fn, repeats):
     import jax
 
     jax.block_until_ready(fn())  # warm-up: compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return best_of(fn, repeats)
 
 
 def measure(n, q, k, repeats):
@@ -83,10 +79,10 @@ def measure(n, q, k, repeats):
 
     return {
         "devices": devices,
-        "split queries": best_of(lambda: split(tree, x_split), repeats),
-        "split queries, plain jit": best_of(lambda: plain(tree, x_split), repeats),
-        "ShardedKDTree build": best_of(lambda: build(points), repeats),
-        "ShardedKDTree query": best_of(lambda: sharded_query(sharded, x), repeats),
+        "split queries": warm_best_of(lambda: split(tree, x_split), repeats),
+        "split queries, plain jit": warm_best_of(lambda: plain(tree, x_split), repeats),
+        "ShardedKDTree build": warm_best_of(lambda: build(points), repeats),
+        "ShardedKDTree query": warm_best_of(lambda: sharded_query(sharded, x), repeats),
     }
 
 
