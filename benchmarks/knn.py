@@ -73,6 +73,7 @@ def run(n, q, k, d, data, dtype, repeats):
         brute_time = best_of(lambda: brute_force(points, x, k), 1)
         row += f" | brute {brute_time:.3f}s ({brute_time / scipy_query:.1f}x)"
     print(row, flush=True)
+    return query_time, scipy_query
 
 
 def main():
@@ -84,11 +85,13 @@ def main():
     parser.add_argument("--data", nargs="+", default=["uniform", "clustered"])
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--plot", help="save query time against n to this PNG")
     args = parser.parse_args()
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    times = {}
     for data in args.data:
         for n in args.n:
-            run(
+            times[data, int(n)] = run(
                 int(n),
                 int(args.queries),
                 args.k,
@@ -97,6 +100,27 @@ def main():
                 args.dtype,
                 args.repeats,
             )
+    if args.plot:
+        plot(times, args)
+
+
+def plot(times, args):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for data in args.data:
+        ns = [int(n) for n in args.n]
+        ax.plot(ns, [times[data, n][0] for n in ns], "o-", label=f"kdeqx, {data}")
+        ax.plot(ns, [times[data, n][1] for n in ns], "s--", label=f"scipy, {data}")
+    ax.set(xscale="log", yscale="log", xlabel="points n", ylabel="query time [s]")
+    ax.set_title(f"{int(args.queries):,} queries, k = {args.k}, CPU", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=100)
+    print(f"saved {args.plot}")
 
 
 if __name__ == "__main__":
