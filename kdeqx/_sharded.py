@@ -121,7 +121,7 @@ class ShardedKDTree(eqx.Module):
         axis_name: str = "shards",
         *,
         box: None | float | ArrayLike = None,
-        leaf_size: int = 16,
+        leaf_size: int = 32,
     ):
         """**Arguments:**
 

@@ -183,7 +183,7 @@ class KDTree(eqx.Module):
         points: ArrayLike,
         *,
         box: None | float | ArrayLike = None,
-        leaf_size: int = 16,
+        leaf_size: int = 32,
     ):
         """**Arguments:**
 
@@ -199,8 +199,8 @@ class KDTree(eqx.Module):
             `L` (so points just outside `[0, L)` from round-off are wrapped, not
             rejected); `points` itself is kept as given.
         - `leaf_size`: points per leaf bucket (static Python int, a power of two,
-            default 16). Larger leaves make a shallower tree and more brute-force work
-            per visited leaf.
+            default 32, the fastest we measured for 3-D kNN on CPU). Larger leaves
+            make a shallower tree and more brute-force work per visited leaf.
         """
         points = as_float_array("points", points)
         check_points_shape("points", points)
