@@ -1,4 +1,4 @@
-from jaxtyping import Array, ArrayLike, Bool, Float, Int, PyTree
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PyTree, UInt
 
 
-__all__ = ["Array", "ArrayLike", "Bool", "Float", "Int", "PyTree"]
+__all__ = ["Array", "ArrayLike", "Bool", "Float", "Int", "PyTree", "UInt"]

@@ -3,12 +3,12 @@
 from typing import TYPE_CHECKING
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 
-from ._batching import map_queries
 from ._custom_types import Array, ArrayLike, Bool, Float, Int
 from ._metric import minimum_image, safe_norm
-from ._traverse import AbstractVisitor, search_radius2, walk
+from ._traverse import AbstractVisitor, search_radius2, walk_many
 from ._validate import (
     as_float_array,
     check_finite,
@@ -36,9 +36,9 @@ class _KNearest(AbstractVisitor):
     distance, so a point exactly at the upper bound never enters (scipy's `d < bound`).
     """
 
-    k: int
+    k: int = eqx.field(static=True)
     bound2: Float[Array, ""]
-    index_dtype: jnp.dtype
+    index_dtype: jnp.dtype = eqx.field(static=True)
 
     def init(self) -> _KnnState:
         return (
@@ -79,19 +79,25 @@ def merge_k_best(best_d2, best_indices, d2, indices):
     candidate_rank = jnp.sum(~candidate_first, axis=0) + jnp.sum(
         candidate_before_candidate, axis=1
     )
-    rank = jnp.concatenate([best_rank, candidate_rank])
-    lands_at = rank[None, :] == jnp.arange(k)[:, None]  # (k, k + leaf), one-hot rows
+    # Two one-hot picks, one per source: concatenating best and leaf first made this
+    # merge ~3x slower on XLA:CPU (the concatenation is not fused into the loop).
+    slot = jnp.arange(k)
+    from_best = best_rank[None, :] == slot[:, None]  # (k, k), one-hot rows
+    from_leaf = candidate_rank[None, :] == slot[:, None]  # (k, leaf)
 
-    def pick(values):
-        zero = jnp.zeros((), values.dtype)
+    def pick(best_values, leaf_values):
+        zero = jnp.zeros((), best_values.dtype)
         return jnp.sum(
-            jnp.where(lands_at, values[None, :], zero), axis=1, dtype=values.dtype
+            jnp.where(from_best, best_values[None, :], zero),
+            axis=1,
+            dtype=best_values.dtype,
+        ) + jnp.sum(
+            jnp.where(from_leaf, leaf_values[None, :], zero),
+            axis=1,
+            dtype=best_values.dtype,
         )
 
-    return (
-        pick(jnp.concatenate([best_d2, d2])),
-        pick(jnp.concatenate([best_indices, indices])),
-    )
+    return pick(best_d2, d2), pick(best_indices, indices)
 
 
 def neighbour_distances(
@@ -129,15 +135,13 @@ def _knn(tree: "KDTree", x, bound, k: int):
     batch = x.shape[:-1]
     index_dtype = tree.leaf_indices.dtype
 
-    def one_query(xi, bound_i):
-        visitor = _KNearest(k, search_radius2(tree, bound_i), index_dtype)
-        _, indices = walk(tree, xi, visitor)
-        return jnp.where(indices < 0, tree.n, indices)
-
     flat_x = x.reshape(-1, tree.d)
     if flat_x.shape[0] == 0 or tree.n == 0:
         indices = jnp.full((*batch, k), tree.n, index_dtype)
     else:
-        indices = map_queries(one_query, flat_x, bound.reshape(-1))
-        indices = indices.reshape(*batch, k)
+        visitors = jax.vmap(
+            lambda b: _KNearest(k, search_radius2(tree, b), index_dtype)
+        )(bound.reshape(-1))
+        _, indices = walk_many(tree, flat_x, visitors)
+        indices = jnp.where(indices < 0, tree.n, indices).reshape(*batch, k)
     return neighbour_distances(tree, x, indices), indices

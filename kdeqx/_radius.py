@@ -3,12 +3,12 @@
 from typing import TYPE_CHECKING
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 
-from ._batching import map_queries
 from ._custom_types import Array, ArrayLike, Bool, Float, Int
 from ._query import merge_k_best, neighbour_distances, prepare_queries
-from ._traverse import AbstractVisitor, search_radius2, walk
+from ._traverse import AbstractVisitor, search_radius2, walk_many
 from ._validate import check_radius, check_static_int
 
 
@@ -20,7 +20,7 @@ class _BallCount(AbstractVisitor):
     """Counts the points with `d2 <= r2`."""
 
     r2: Float[Array, ""]
-    count_dtype: jnp.dtype
+    count_dtype: jnp.dtype = eqx.field(static=True)
 
     def init(self) -> Int[Array, ""]:
         return jnp.zeros((), self.count_dtype)
@@ -39,9 +39,9 @@ class _BallNearest(AbstractVisitor):
     with the empty entry at a lower index) does enter: the ball is closed.
     """
 
-    k: int
+    k: int = eqx.field(static=True)
     r2: Float[Array, ""]
-    index_dtype: jnp.dtype
+    index_dtype: jnp.dtype = eqx.field(static=True)
 
     def init(self):
         empty = jnp.iinfo(self.index_dtype).max
@@ -76,10 +76,10 @@ def _count(tree: "KDTree", x, r):
     if tree.n == 0 or x.size == 0:
         return jnp.zeros(x.shape[:-1], index_dtype)
 
-    def one_query(xi, ri):
-        return walk(tree, xi, _BallCount(search_radius2(tree, ri), index_dtype))
-
-    counts = map_queries(one_query, x.reshape(-1, tree.d), r.reshape(-1))
+    visitors = jax.vmap(lambda ri: _BallCount(search_radius2(tree, ri), index_dtype))(
+        r.reshape(-1)
+    )
+    counts = walk_many(tree, x.reshape(-1, tree.d), visitors)
     return counts.reshape(x.shape[:-1])
 
 
@@ -111,13 +111,10 @@ def _collect(tree: "KDTree", x, r, k: int):
             jnp.zeros(batch, index_dtype),
         )
 
-    def one_query(xi, ri):
-        _, indices, count = walk(
-            tree, xi, _BallNearest(k, search_radius2(tree, ri), index_dtype)
-        )
-        empty = indices == jnp.iinfo(index_dtype).max
-        return jnp.where(empty, tree.n, indices), count
-
-    indices, counts = map_queries(one_query, x.reshape(-1, tree.d), r.reshape(-1))
-    indices = indices.reshape(*batch, k)
+    visitors = jax.vmap(
+        lambda ri: _BallNearest(k, search_radius2(tree, ri), index_dtype)
+    )(r.reshape(-1))
+    _, indices, counts = walk_many(tree, x.reshape(-1, tree.d), visitors)
+    empty = indices == jnp.iinfo(index_dtype).max
+    indices = jnp.where(empty, tree.n, indices).reshape(*batch, k)
     return neighbour_distances(tree, x, indices), indices, counts.reshape(batch)

@@ -1,30 +1,46 @@
-"""The one traversal engine: a stackless, near-child-first walk in a `lax.while_loop`.
+"""The one traversal engine: a stackless, near-child-first walk in `lax.while_loop`s.
 
 Every query kind is a small visitor on this engine. The walk needs no stack: in the
 heap layout a node's parent is `(i - 1) // 2`, so remembering the previous node tells
 whether the walk came down from the parent or up from a child, and which child is
-"near" is recomputed from the children's bounding boxes. One outer iteration visits
-one leaf; the inner loop moves node by node to the next leaf worth visiting. Under
-`vmap` each loop runs until its slowest lane finishes, so leaf work is done once per
-leaf, not once per node step.
+"near" is recomputed from the children's bounding boxes.
+
+Many queries are walked by a fixed set of lanes (`walk_many`). A vmapped loop costs its
+slowest lane, so a lane whose query is finished takes the next one at once, instead of
+idling until the whole batch is done; queries are handed out along a Morton curve, so
+the lanes at work at any time walk nearby parts of the tree.
 """
 
 import abc
 
 import equinox as eqx
+import jax
 import jax.lax as lax
 import jax.numpy as jnp
 
-from ._custom_types import Array, Bool, Float, Int, PyTree
+from ._custom_types import Array, Bool, Float, Int, PyTree, UInt
 from ._metric import squared_distance_to_box, squared_distances, wrap_into_box
 
+
+# Measured on a 2-core CPU (n = 1e6, Q = 1e5, k = 8, leaf 32): 1024 lanes moving at
+# most 16 nodes between two leaf visits took 0.65 s, against 0.78-0.94 s for 512
+# lanes or caps of 8, 12 and 24, and 1.3 s for fixed chunks of 1024 queries.
+LANES = 1024
+MAX_STEPS = 16
+
+# A lane with no query left.
+_IDLE = -2
 
 # A visitor's state: any pytree of arrays of fixed shape.
 _State = PyTree
 
 
 class AbstractVisitor(eqx.Module):
-    """What a query kind does at the nodes and leaves of the walk (one query)."""
+    """What a query kind does at the nodes and leaves of the walk (one query).
+
+    Visitors are batched with `jax.vmap`, so Python configuration (like `k`) must be a
+    static field.
+    """
 
     @abc.abstractmethod
     def init(self) -> _State:
@@ -53,30 +69,44 @@ def search_radius2(tree, r: Float[Array, "*batch"]) -> Float[Array, "*batch"]:
     return scaled * scaled
 
 
-def walk(tree, x: Float[Array, " d"], visitor: AbstractVisitor) -> _State:
-    """Runs `visitor` over every leaf it does not prune, nearest subtrees first.
+class _Steps(eqx.Module):
+    """The two moves of a walk for one query, on the tree's search arrays."""
 
-    The visitor sees squared distances in the tree's search coordinates, which are
-    scaled by `tree.scale`: express its thresholds with `search_radius2`.
-    """
-    first_leaf = tree.num_leaves - 1
-    leaf_size = tree.leaf_size
-    leaf_points = lax.stop_gradient(tree.leaf_points)
-    node_lo = lax.stop_gradient(tree.node_lo)
-    node_hi = lax.stop_gradient(tree.node_hi)
-    scale = lax.stop_gradient(tree.scale)
-    period = None if tree.period is None else lax.stop_gradient(tree.period)
-    x = wrap_into_box(lax.stop_gradient(x), period) * scale
-    period = None if period is None else period * scale
+    tree: eqx.Module
+    period: Float[Array, " d"] | None
 
-    def move(carry):
-        """One step from an internal node: down to a child, or back up to the parent."""
-        node, previous, state = carry
+    def __init__(self, tree):
+        self.tree = lax.stop_gradient(tree)
+        scale = self.tree.scale
+        self.period = None if tree.period is None else self.tree.period * scale
+
+    @property
+    def first_leaf(self) -> int:
+        return self.tree.num_leaves - 1
+
+    def search_point(self, x: Float[Array, " d"]) -> Float[Array, " d"]:
+        """`x` in the scaled (and, in a periodic box, wrapped) search coordinates."""
+        tree = self.tree
+        return wrap_into_box(lax.stop_gradient(x), tree.period) * tree.scale
+
+    def is_internal(self, node: Int[Array, "*lanes"]) -> Bool[Array, "*lanes"]:
+        return (node >= 0) & (node < self.first_leaf)
+
+    def move(self, x, visitor, state, node, previous):
+        """One step from an internal node: down to a child, or back up to the parent.
+
+        Returns the new `(node, previous)`; a lane at a leaf or done stays put.
+        """
+        tree = self.tree
         parent = (node - 1) >> 1  # the root's parent is -1: the walk is over
         left = 2 * node + 1
         right = left + 1
-        d2_left = squared_distance_to_box(x, node_lo[left], node_hi[left], period)
-        d2_right = squared_distance_to_box(x, node_lo[right], node_hi[right], period)
+        d2_left = squared_distance_to_box(
+            x, tree.node_lo[left], tree.node_hi[left], self.period
+        )
+        d2_right = squared_distance_to_box(
+            x, tree.node_lo[right], tree.node_hi[right], self.period
+        )
         left_is_near = d2_left <= d2_right
         near = jnp.where(left_is_near, left, right)
         far = jnp.where(left_is_near, right, left)
@@ -91,24 +121,158 @@ def walk(tree, x: Float[Array, " d"], visitor: AbstractVisitor) -> _State:
             after_parent,
             jnp.where(previous == near, after_near, parent),
         )
-        return following, node, state
+        internal = self.is_internal(node)
+        return jnp.where(internal, following, node), jnp.where(internal, node, previous)
+
+    def visit(self, x, visitor, state, node):
+        """Folds the points of leaf `node` into the state; any other node changes
+        nothing. Returns the state and the walk's position after the leaf."""
+        tree = self.tree
+        at_leaf = node >= self.first_leaf
+        leaf = jnp.clip(node - self.first_leaf, 0, tree.num_leaves - 1)
+        start = leaf * tree.leaf_size
+        points = lax.dynamic_slice_in_dim(tree.leaf_points, start, tree.leaf_size)
+        indices = lax.dynamic_slice_in_dim(tree.leaf_indices, start, tree.leaf_size)
+        d2 = jnp.where(
+            indices < tree.n, squared_distances(x, points, self.period), jnp.inf
+        )
+        visited = visitor.visit_leaf(state, d2, indices)
+        state = jax.tree.map(lambda v, s: jnp.where(at_leaf, v, s), visited, state)
+        return state, jnp.where(at_leaf, (node - 1) >> 1, node)
+
+
+def walk(tree, x: Float[Array, " d"], visitor: AbstractVisitor) -> _State:
+    """Runs `visitor` over every leaf it does not prune, nearest subtrees first.
+
+    The visitor sees squared distances in the tree's search coordinates, which are
+    scaled by `tree.scale`: express its thresholds with `search_radius2`.
+    """
+    steps = _Steps(tree)
+    x = steps.search_point(x)
 
     def to_next_leaf(carry):
-        def is_internal(c):
-            return (c[0] >= 0) & (c[0] < first_leaf)
+        def move(c):
+            node, previous, state = c
+            return (*steps.move(x, visitor, state, node, previous), state)
 
-        return lax.while_loop(is_internal, move, carry)
+        return lax.while_loop(lambda c: steps.is_internal(c[0]), move, carry)
 
     def visit_then_move_on(carry):
         node, _, state = carry
-        start = (node - first_leaf) * leaf_size
-        points = lax.dynamic_slice_in_dim(leaf_points, start, leaf_size)
-        indices = lax.dynamic_slice_in_dim(tree.leaf_indices, start, leaf_size)
-        d2 = jnp.where(indices < tree.n, squared_distances(x, points, period), jnp.inf)
-        state = visitor.visit_leaf(state, d2, indices)
-        return to_next_leaf(((node - 1) >> 1, node, state))
+        state, parent = steps.visit(x, visitor, state, node)
+        return to_next_leaf((parent, node, state))
 
     index_dtype = tree.leaf_indices.dtype
     root = (jnp.array(0, index_dtype), jnp.array(-1, index_dtype), visitor.init())
     walked = lax.while_loop(lambda c: c[0] >= 0, visit_then_move_on, to_next_leaf(root))
     return walked[2]
+
+
+def morton_codes(x: Float[Array, "q d"]) -> UInt[Array, " q"]:
+    """Z-order codes of the queries, quantised within their own bounding box."""
+    dims = min(x.shape[1], 30)
+    bits = 30 // dims
+    lo = jnp.min(x[:, :dims], axis=0)
+    extent = jnp.max(x[:, :dims], axis=0) - lo
+    unit = (x[:, :dims] - lo) / jnp.where(extent > 0, extent, 1)
+    cells = (unit * (2**bits - 1)).astype(jnp.uint32)
+    code = jnp.zeros(x.shape[0], jnp.uint32)
+    for bit in range(bits):
+        for dim in range(dims):
+            code = code | (((cells[:, dim] >> bit) & 1) << (bit * dims + dim))
+    return code
+
+
+def _rows(tree: PyTree, rows: Int[Array, "..."]) -> PyTree:
+    return jax.tree.map(lambda a: a[rows], tree)
+
+
+def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State:
+    """`jax.vmap(walk, (None, 0, 0))(tree, x, visitors)`, by lanes that take the next
+    query as soon as theirs is done.
+
+    **Arguments:** `x` holds `q >= 1` queries; `visitors` is a batch of `q` visitors
+    (one per query, built with `jax.vmap`).
+
+    **Returns:** the visitors' final states, batched along the queries.
+    """
+    q = x.shape[0]
+    if q <= LANES:
+        return jax.vmap(walk, in_axes=(None, 0, 0))(tree, x, visitors)
+    steps = _Steps(tree)
+    move = jax.vmap(steps.move)
+    visit = jax.vmap(steps.visit)
+    index_dtype = tree.leaf_indices.dtype
+
+    def advance(x, visitor, state, node, previous, max_steps):
+        """Moves every lane towards its next leaf, for at most `max_steps` steps."""
+
+        def moving(c):
+            return jnp.any(steps.is_internal(c[0])) & (c[2] < max_steps)
+
+        def one_step(c):
+            node, previous, taken = c
+            return (*move(x, visitor, state, node, previous), taken + 1)
+
+        node, previous, _ = lax.while_loop(moving, one_step, (node, previous, 0))
+        return node, previous
+
+    states = jax.vmap(lambda v: v.init())(visitors)
+    points = jax.vmap(steps.search_point)(x)
+    # Queries are handed out in this order: position `i` along the curve is row
+    # `order[i]` of the input.
+    order = jnp.argsort(morton_codes(points)).astype(index_dtype)
+    points, visitors, fresh_states = _rows((points, visitors, states), order)
+    # Every query's first leaf, for all of them in lockstep: those descents are alike.
+    first_node, _ = advance(
+        points,
+        visitors,
+        fresh_states,
+        jnp.zeros(q, index_dtype),
+        jnp.full(q, -1, index_dtype),
+        jnp.iinfo(index_dtype).max,
+    )
+
+    def take_next(position, finished, node, state):
+        """Lanes that finished start the query at `position` along the curve, or go
+        idle when none is left."""
+        node = jnp.where(
+            finished,
+            jnp.where(position < q, first_node[jnp.minimum(position, q - 1)], _IDLE),
+            node,
+        )
+        fresh = _rows(fresh_states, jnp.minimum(position, q - 1))
+        state = jax.tree.map(
+            lambda f, s: jnp.where(finished.reshape(-1, *(1,) * (s.ndim - 1)), f, s),
+            fresh,
+            state,
+        )
+        return node, state
+
+    def step(carry):
+        position, node, previous, state, handed_out, out = carry
+        xl, visitor = _rows((points, visitors), position)
+        state, node_after = visit(xl, visitor, state, node)
+        previous = jnp.where(node >= steps.first_leaf, node, previous)
+        node, previous = advance(xl, visitor, state, node_after, previous, MAX_STEPS)
+        finished = node == -1
+        row = jnp.where(finished, order[position], q)  # q: dropped
+        out = jax.tree.map(lambda o, s: o.at[row].set(s, mode="drop"), out, state)
+        position = jnp.where(
+            finished, handed_out + jnp.cumsum(finished, dtype=index_dtype) - 1, position
+        )
+        handed_out = handed_out + jnp.sum(finished, dtype=index_dtype)
+        node, state = take_next(position, finished, node, state)
+        position = jnp.minimum(position, q - 1)  # an idle lane points at a real query
+        return position, node, previous, state, handed_out, out
+
+    lane = jnp.arange(LANES, dtype=index_dtype)
+    carry = (
+        lane,
+        first_node[:LANES],
+        jnp.full(LANES, -1, index_dtype),
+        _rows(fresh_states, lane),
+        jnp.array(LANES, index_dtype),
+        states,
+    )
+    return lax.while_loop(lambda c: jnp.any(c[1] != _IDLE), step, carry)[-1]
