@@ -9,7 +9,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 
 from . import _interpolate, _query, _radius
-from ._custom_types import Array, ArrayLike, Float, Int
+from ._custom_types import Array, ArrayLike, Float, Int, UInt
 from ._metric import wrap_into_box
 from ._validate import (
     as_float_array,
@@ -35,42 +35,125 @@ def _leaf_extrema(coords, valid, leaf_size):
     return lo, hi
 
 
+def _enable_x64():
+    # `jax.enable_x64` in recent JAX, `jax.experimental.enable_x64` before.
+    context = getattr(jax, "enable_x64", None)
+    if context is None:
+        from jax.experimental import enable_x64 as context
+    return context(True)
+
+
+def _float32_sort_keys(values: Float[Array, " m"]) -> UInt[Array, " m"]:
+    """uint32 keys whose unsigned order is the order of `values` rounded to float32."""
+    values = jnp.where(values == 0, 0, values).astype(jnp.float32)  # -0 sorts as +0
+    bits = lax.bitcast_convert_type(values, jnp.uint32)
+    negative = (bits >> 31).astype(bool)
+    return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _argsort(values: Float[Array, " m"]) -> UInt[Array, " m"]:
+    """A stable argsort by one sort of `key << 32 | index` as uint64.
+
+    XLA:CPU sorts one integer array about 6x faster than a (key, index) pair, which
+    is what `jnp.argsort` sorts. float64 values are ordered by their float32
+    rounding: the order only balances the tree, every box is computed from the
+    points themselves.
+    """
+    if values.shape[0] > 2**32:  # the index would not fit in 32 bits
+        return jnp.argsort(values, stable=True)
+    index = jnp.arange(values.shape[0], dtype=jnp.uint32)
+    with _enable_x64():
+        packed = _float32_sort_keys(values).astype(jnp.uint64) << 32
+        return jnp.sort(packed | index.astype(jnp.uint64)).astype(jnp.uint32)
+
+
 def _sorted_orders(coords, valid, index_dtype):
     """Per dimension, the slots sorted by coordinate (padding last, stable for ties)."""
     keys = jnp.where(valid[:, None], coords, jnp.inf)
-    return jnp.argsort(keys, axis=0, stable=True).T.astype(index_dtype)
+    return jax.vmap(_argsort, in_axes=1)(keys).astype(index_dtype)
 
 
-def _split_level(level, orders, *, coords, n):
+def _widest_dimension(orders, coords, level, *, n, max_segments):
+    """Per segment of `level`, the dimension in which its points spread the most."""
+    d, slots = orders.shape
+    size = slots >> level
+    # Segments are counted up to the deepest level's number; the extra ones repeat
+    # the last real segment.
+    segment = jnp.minimum(
+        jnp.arange(max_segments, dtype=orders.dtype), (1 << level) - 1
+    )
+    first = segment * size
+    last = first + jnp.clip(n - first - 1, 0, size - 1)
+    dims = jnp.arange(d)[:, None]
+    spread = coords[orders[:, last], dims] - coords[orders[:, first], dims]
+    return jnp.argmax(spread, axis=0)
+
+
+def _left_ranks(flags, shift):
+    """For every slot, the number of set flags before it in its segment of
+    `2**shift` slots. Flags are packed into words, so the prefix count is a
+    population count within a word plus a cumulative sum over words."""
+    d, words, width = flags.shape
+    bit = jnp.arange(width, dtype=jnp.uint32)
+    packed = jnp.sum(flags.astype(jnp.uint32) << bit, axis=2, dtype=jnp.uint32)
+    below = lax.population_count(packed[:, :, None] & ((jnp.uint32(1) << bit) - 1))
+    count = lax.population_count(packed).astype(jnp.int32)
+    before = jnp.cumsum(count, axis=1, dtype=jnp.int32) - count
+    word_shift = shift - (width.bit_length() - 1)  # log2 of words per segment
+    word = jnp.arange(words, dtype=jnp.int32)
+    segment_first_word = (word >> word_shift) << word_shift
+    before = before - before[:, segment_first_word]
+    return below.astype(jnp.int32) + before[:, :, None]
+
+
+def _split_level(level, orders, *, coords, n, leaf_size):
     """Splits every node of `level` at the median of its widest dimension.
 
     Nodes are aligned segments of `slots >> level` positions, and `orders[j]` lists each
     segment's slots sorted by coordinate `j`. The widest dimension's first half goes
     left; every other order is then partitioned stably, so it stays sorted within both
-    halves. One cumulative sum and one scatter per dimension, no sort: the same program
-    at every level.
+    halves. A prefix count and one scatter, no sort: the same program at every level.
     """
     d, slots = orders.shape
     shift = (slots.bit_length() - 1) - level  # log2 of the segment size
-    half = (1 << shift) >> 1
+    size = 1 << shift
+    widest = _widest_dimension(
+        orders, coords, level, n=n, max_segments=max(1, slots // (2 * leaf_size))
+    )
     position = jnp.arange(slots, dtype=orders.dtype)
-    start = (position >> shift) << shift
-    valid_in_segment = jnp.clip(n - start, 0, 1 << shift)
-    last = start + jnp.maximum(valid_in_segment - 1, 0)
+    offset = position & (size - 1)  # within the segment
+    chosen_order = jnp.take_along_axis(orders, widest[position >> shift][None], 0)[0]
+    goes_left = (
+        jnp.zeros(slots, bool)
+        .at[chosen_order]
+        .set(offset < size // 2, unique_indices=True)
+    )
 
-    sorted_coords = jnp.take_along_axis(coords.T, orders, axis=1)  # (d, slots)
-    spread = sorted_coords[:, last] - sorted_coords[:, start]
-    widest = jnp.argmax(jnp.where(valid_in_segment > 0, spread, 0), axis=0)
-    chosen_order = jnp.take_along_axis(orders, widest[None], axis=0)[0]
-    goes_left = jnp.zeros(slots, bool).at[chosen_order].set(position - start < half)
+    width = min(32, 2 * leaf_size)  # a word never spans two segments
+    flags = goes_left[orders].reshape(d, slots // width, width)
+    left_rank = _left_ranks(flags, shift).astype(orders.dtype)
+    offset = offset.reshape(slots // width, width)
+    destination = (
+        position.reshape(offset.shape)
+        - offset
+        + jnp.where(flags, left_rank, size // 2 + offset - left_rank)
+    )
+    return _move(orders, destination.reshape(d, slots))
 
-    flags = goes_left[orders]  # (d, slots)
-    left_before = jnp.cumsum(flags, axis=1, dtype=orders.dtype) - flags
-    left_rank = left_before - left_before[:, start]
-    right_rank = (position - start) - left_rank
-    destination = start + jnp.where(flags, left_rank, half + right_rank)
-    scatter = jax.vmap(lambda order, dest: jnp.zeros_like(order).at[dest].set(order))
-    return scatter(orders, destination)
+
+def _move(orders, destination):
+    """`orders[j]` with entry `i` moved to `destination[j, i]`."""
+    d, slots = orders.shape
+    if d * slots > jnp.iinfo(orders.dtype).max:
+
+        def move_row(order, to):
+            return jnp.zeros_like(order).at[to].set(order, unique_indices=True)
+
+        return jax.vmap(move_row)(orders, destination)
+    # One flat scatter is 1.5-3x faster on XLA:CPU than a vmapped one.
+    flat = destination + jnp.arange(d, dtype=orders.dtype)[:, None] * slots
+    moved = jnp.zeros(d * slots, orders.dtype).at[flat.ravel()]
+    return moved.set(orders.ravel(), unique_indices=True).reshape(d, slots)
 
 
 def _internal_boxes(lo, hi, min_index, depth):
@@ -132,7 +215,7 @@ def _build(points: Float[Array, "n d"], leaf_size: int, period):
     coords = coords * scale
     coords = jnp.pad(coords, ((0, slots - n), (0, 0)))
     valid = jnp.arange(slots) < n
-    split = ft.partial(_split_level, coords=coords, n=n)
+    split = ft.partial(_split_level, coords=coords, n=n, leaf_size=leaf_size)
     orders = lax.fori_loop(0, depth, split, _sorted_orders(coords, valid, index_dtype))
     perm = orders[0].astype(index_dtype)  # at the leaves every order holds the same set
 

@@ -99,3 +99,35 @@ def test_eval_shape_gives_the_skeleton():
     real = kdeqx.KDTree(np.zeros((1000, 3), np.float32))
     shapes = lambda t: [(a.shape, a.dtype) for a in jax.tree.leaves(t)]  # noqa: E731
     assert shapes(skeleton) == shapes(real)
+
+
+def _split_dimension_and_halves(tree, points):
+    """The root's two halves of the data, as rows of `points`."""
+    _, leaf_indices = _leaves_of(tree)
+    half = tree.num_leaves // 2
+    left, right = leaf_indices[:half].ravel(), leaf_indices[half:].ravel()
+    return points[left[left < tree.n]], points[right[right < tree.n]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_root_splits_the_widest_dimension_at_its_median(dtype):
+    rng = np.random.default_rng(3)
+    points = (rng.random((1000, 3)) * [1.0, 5.0, 2.0]).astype(dtype)
+    left, right = _split_dimension_and_halves(kdeqx.KDTree(points), points)
+    assert len(left) == 512 and len(right) == 488  # the left half is always full
+    assert left[:, 1].max() <= right[:, 1].min()
+
+
+def test_the_build_does_not_need_x64():
+    # The build sorts 64-bit keys inside a local x64 context; the same tree must come
+    # out with x64 off (the default), under jit and under vmap.
+    points = DATASETS["duplicates"](np.random.default_rng(5), 700, 3).astype(np.float32)
+    expected = np.asarray(kdeqx.KDTree(points).leaf_indices)
+    with jax.enable_x64(False):
+        tree = eqx.filter_jit(kdeqx.KDTree)(points)
+        batched = eqx.filter_vmap(kdeqx.KDTree)(np.stack([points, points[::-1]]))
+        assert tree.leaf_indices.dtype == np.int32
+    np.testing.assert_array_equal(np.asarray(tree.leaf_indices), expected)
+    np.testing.assert_array_equal(np.asarray(batched.leaf_indices[0]), expected)
+    reversed_ = np.asarray(batched.leaf_indices[1])
+    np.testing.assert_array_equal(np.sort(reversed_[reversed_ < 700]), np.arange(700))

@@ -65,9 +65,15 @@ def test_many_queries_match_references(dtype):
         np.testing.assert_array_equal(ball_counts, expected)
         lists = reference.query_ball_point(x64, r64, return_sorted=True)
         for row, want in zip(np.asarray(ball), lists):
-            assert set(row[row < len(points)]) == set(want[: 4 * k]) or len(want) > 4 * k
+            if len(want) <= 4 * k:  # not truncated
+                assert set(row[row < len(points)]) == set(want)
     else:
-        assert np.mean(np.asarray(counts) == expected) > 0.999
+        # A count may differ only by points within float32 rounding of the sphere.
+        inner = reference.query_ball_point(x64, r64 * (1 - 1e-5), return_length=True)
+        outer = reference.query_ball_point(x64, r64 * (1 + 1e-5), return_length=True)
+        for found in (np.asarray(counts), np.asarray(ball_counts)):
+            assert ((inner <= found) & (found <= outer)).all()
+        assert np.mean(np.asarray(counts) == expected) > 0.99
 
 
 def test_many_queries_on_a_lattice_order_ties_by_index():
