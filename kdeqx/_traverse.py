@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from ._custom_types import Array, Bool, Float, Int, PyTree, UInt
 from ._metric import squared_distance_to_box, squared_distances, wrap_into_box
+from ._sort import argsort_keys
 
 
 # Measured on a 2-core CPU (n = 1e6, Q = 1e5, k = 8, leaf 32): 1024 lanes moving at
@@ -60,7 +61,11 @@ class AbstractVisitor(eqx.Module):
     def visit_leaf(
         self, state: _State, d2: Float[Array, " leaf"], indices: Int[Array, " leaf"]
     ) -> _State:
-        """Folds one leaf's points into the state; padding slots have `d2 = inf`."""
+        """Folds one leaf's points into the state; padding slots have `d2 = inf`.
+
+        A leaf that `should_visit` would prune may be visited too (a walk starts at
+        its nearest leaf): its points must then leave the state as it is.
+        """
 
 
 def search_radius2(tree, r: Float[Array, "*batch"]) -> Float[Array, "*batch"]:
@@ -92,13 +97,10 @@ class _Steps(eqx.Module):
     def is_internal(self, node: Int[Array, "*lanes"]) -> Bool[Array, "*lanes"]:
         return (node >= 0) & (node < self.first_leaf)
 
-    def move(self, x, visitor, state, node, previous):
-        """One step from an internal node: down to a child, or back up to the parent.
-
-        Returns the new `(node, previous)`; a lane at a leaf or done stays put.
-        """
+    def children(self, x, node):
+        """The children of `node` as `(near, far)` with their squared box distances;
+        the left child is near when the two tie."""
         tree = self.tree
-        parent = (node - 1) >> 1  # the root's parent is -1: the walk is over
         left = 2 * node + 1
         right = left + 1
         d2_left = squared_distance_to_box(
@@ -110,10 +112,29 @@ class _Steps(eqx.Module):
         left_is_near = d2_left <= d2_right
         near = jnp.where(left_is_near, left, right)
         far = jnp.where(left_is_near, right, left)
-        near_d2 = jnp.minimum(d2_left, d2_right)
-        far_d2 = jnp.maximum(d2_left, d2_right)
-        visit_near = visitor.should_visit(state, near_d2, tree.node_min_index[near])
-        visit_far = visitor.should_visit(state, far_d2, tree.node_min_index[far])
+        return near, far, jnp.minimum(d2_left, d2_right), jnp.maximum(d2_left, d2_right)
+
+    def nearest_leaf(self, x):
+        """The first leaf of a walk from the root: near children all the way down."""
+        depth = self.tree.num_leaves.bit_length() - 1
+
+        def down(_, node):
+            return self.children(x, node)[0]
+
+        return lax.fori_loop(
+            0, depth, down, jnp.zeros((), self.tree.leaf_indices.dtype)
+        )
+
+    def move(self, x, visitor, state, node, previous):
+        """One step from an internal node: down to a child, or back up to the parent.
+
+        Returns the new `(node, previous)`; a lane at a leaf or done stays put.
+        """
+        min_index = self.tree.node_min_index
+        parent = (node - 1) >> 1  # the root's parent is -1: the walk is over
+        near, far, near_d2, far_d2 = self.children(x, node)
+        visit_near = visitor.should_visit(state, near_d2, min_index[near])
+        visit_far = visitor.should_visit(state, far_d2, min_index[far])
         after_parent = jnp.where(visit_near, near, jnp.where(visit_far, far, parent))
         after_near = jnp.where(visit_far, far, parent)
         following = jnp.where(
@@ -183,6 +204,21 @@ def morton_codes(x: Float[Array, "q d"]) -> UInt[Array, " q"]:
     return code
 
 
+def _count_before(flags: Bool[Array, " lanes"], dtype) -> Int[Array, " lanes"]:
+    """For each lane, how many lower lanes have their flag set.
+
+    Counted in blocks of 32 by masked sums: XLA:CPU splits a cumulative sum into
+    several small kernels, which each cost compile time.
+    """
+    blocks = flags.reshape(-1, 32).astype(dtype)
+    lower = jnp.arange(32)[None, :] < jnp.arange(32)[:, None]
+    within = jnp.sum(jnp.where(lower, blocks[:, None, :], 0), axis=2, dtype=dtype)
+    totals = jnp.sum(blocks, axis=1, dtype=dtype)
+    rows = jnp.arange(blocks.shape[0])
+    earlier = jnp.where(rows[None, :] < rows[:, None], totals, 0)
+    return (within + jnp.sum(earlier, axis=1, dtype=dtype)[:, None]).reshape(-1)
+
+
 def _rows(tree: PyTree, rows: Int[Array, "..."]) -> PyTree:
     return jax.tree.map(lambda a: a[rows], tree)
 
@@ -204,34 +240,26 @@ def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State
     visit = jax.vmap(steps.visit)
     index_dtype = tree.leaf_indices.dtype
 
-    def advance(x, visitor, state, node, previous, max_steps):
-        """Moves every lane towards its next leaf, for at most `max_steps` steps."""
+    def advance(x, visitor, state, node, previous):
+        """Moves every lane `MAX_STEPS` steps towards its next leaf (lanes that reach
+        it wait there). Nearly always some lane needs them all, so the loop does not
+        test for an early end."""
 
-        def moving(c):
-            return jnp.any(steps.is_internal(c[0])) & (c[2] < max_steps)
+        def one_step(_, c):
+            return move(x, visitor, state, *c)
 
-        def one_step(c):
-            node, previous, taken = c
-            return (*move(x, visitor, state, node, previous), taken + 1)
-
-        node, previous, _ = lax.while_loop(moving, one_step, (node, previous, 0))
-        return node, previous
+        return lax.fori_loop(0, MAX_STEPS, one_step, (node, previous))
 
     states = jax.vmap(lambda v: v.init())(visitors)
     points = jax.vmap(steps.search_point)(x)
     # Queries are handed out in this order: position `i` along the curve is row
     # `order[i]` of the input.
-    order = jnp.argsort(morton_codes(points)).astype(index_dtype)
+    order = argsort_keys(morton_codes(points)).astype(index_dtype)
     points, visitors, fresh_states = _rows((points, visitors, states), order)
-    # Every query's first leaf, for all of them in lockstep: those descents are alike.
-    first_node, _ = advance(
-        points,
-        visitors,
-        fresh_states,
-        jnp.zeros(q, index_dtype),
-        jnp.full(q, -1, index_dtype),
-        jnp.iinfo(index_dtype).max,
-    )
+    # Every walk starts at its nearest leaf, found for all queries at once. The walk
+    # from the root would stop on the way there only where the visitor prunes, and
+    # visiting a leaf it would prune changes no state.
+    first_node = jax.vmap(steps.nearest_leaf)(points)
 
     def take_next(position, finished, node, state):
         """Lanes that finished start the query at `position` along the curve, or go
@@ -254,12 +282,12 @@ def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State
         xl, visitor = _rows((points, visitors), position)
         state, node_after = visit(xl, visitor, state, node)
         previous = jnp.where(node >= steps.first_leaf, node, previous)
-        node, previous = advance(xl, visitor, state, node_after, previous, MAX_STEPS)
+        node, previous = advance(xl, visitor, state, node_after, previous)
         finished = node == -1
         row = jnp.where(finished, order[position], q)  # q: dropped
         out = jax.tree.map(lambda o, s: o.at[row].set(s, mode="drop"), out, state)
         position = jnp.where(
-            finished, handed_out + jnp.cumsum(finished, dtype=index_dtype) - 1, position
+            finished, handed_out + _count_before(finished, index_dtype), position
         )
         handed_out = handed_out + jnp.sum(finished, dtype=index_dtype)
         node, state = take_next(position, finished, node, state)
@@ -275,4 +303,6 @@ def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State
         jnp.array(LANES, index_dtype),
         states,
     )
-    return lax.while_loop(lambda c: jnp.any(c[1] != _IDLE), step, carry)[-1]
+    # Each finished query hands out one position: all are done when `q` more than
+    # the first `LANES` have been handed out.
+    return lax.while_loop(lambda c: c[4] < q + LANES, step, carry)[-1]

@@ -9,8 +9,9 @@ import jax.lax as lax
 import jax.numpy as jnp
 
 from . import _interpolate, _query, _radius
-from ._custom_types import Array, ArrayLike, Float, Int, UInt
+from ._custom_types import Array, ArrayLike, Float, Int
 from ._metric import wrap_into_box
+from ._sort import argsort_keys, float32_sort_keys
 from ._validate import (
     as_float_array,
     check_finite,
@@ -35,42 +36,14 @@ def _leaf_extrema(coords, valid, leaf_size):
     return lo, hi
 
 
-def _enable_x64():
-    # `jax.enable_x64` in recent JAX, `jax.experimental.enable_x64` before.
-    context = getattr(jax, "enable_x64", None)
-    if context is None:
-        from jax.experimental import enable_x64 as context
-    return context(True)
-
-
-def _float32_sort_keys(values: Float[Array, " m"]) -> UInt[Array, " m"]:
-    """uint32 keys whose unsigned order is the order of `values` rounded to float32."""
-    values = jnp.where(values == 0, 0, values).astype(jnp.float32)  # -0 sorts as +0
-    bits = lax.bitcast_convert_type(values, jnp.uint32)
-    negative = (bits >> 31).astype(bool)
-    return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
-
-
-def _argsort(values: Float[Array, " m"]) -> UInt[Array, " m"]:
-    """A stable argsort by one sort of `key << 32 | index` as uint64.
-
-    XLA:CPU sorts one integer array about 6x faster than a (key, index) pair, which
-    is what `jnp.argsort` sorts. float64 values are ordered by their float32
-    rounding: the order only balances the tree, every box is computed from the
-    points themselves.
-    """
-    if values.shape[0] > 2**32:  # the index would not fit in 32 bits
-        return jnp.argsort(values, stable=True)
-    index = jnp.arange(values.shape[0], dtype=jnp.uint32)
-    with _enable_x64():
-        packed = _float32_sort_keys(values).astype(jnp.uint64) << 32
-        return jnp.sort(packed | index.astype(jnp.uint64)).astype(jnp.uint32)
-
-
 def _sorted_orders(coords, valid, index_dtype):
-    """Per dimension, the slots sorted by coordinate (padding last, stable for ties)."""
-    keys = jnp.where(valid[:, None], coords, jnp.inf)
-    return jax.vmap(_argsort, in_axes=1)(keys).astype(index_dtype)
+    """Per dimension, the slots sorted by coordinate (padding last, stable for ties).
+
+    float64 coordinates are ordered by their float32 rounding: the order only
+    balances the tree, every box is computed from the points themselves.
+    """
+    keys = float32_sort_keys(jnp.where(valid[:, None], coords, jnp.inf).T)
+    return jax.vmap(argsort_keys)(keys).astype(index_dtype)
 
 
 def _widest_dimension(orders, coords, level, *, n, max_segments):
