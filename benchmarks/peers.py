@@ -5,7 +5,7 @@
 Each library is timed steady (best of `--repeats`, after a first call that compiles)
 on the same data: uniform or clustered 3-D float32, k = 8. jaxknn builds and queries
 in one call, so every library's build + query is timed too. jaxknn needs Python >= 3.12
-(`pip install jaxkd jaxknn`); a peer that is not installed is skipped. Answers are
+(`pip install -e ".[bench]"`); a peer that is not installed is skipped. Answers are
 compared with scipy's distances.
 """
 
