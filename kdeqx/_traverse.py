@@ -12,6 +12,7 @@ the lanes at work at any time walk nearby parts of the tree.
 """
 
 import abc
+from typing import TYPE_CHECKING
 
 import equinox as eqx
 import jax
@@ -21,6 +22,10 @@ import jax.numpy as jnp
 from ._custom_types import Array, Bool, Float, Int, PyTree, UInt
 from ._metric import squared_distance_to_box, squared_distances, wrap_into_box
 from ._sort import argsort_keys
+
+
+if TYPE_CHECKING:
+    from ._tree import KDTree
 
 
 # Measured on a 2-core CPU (n = 1e6, Q = 1e5, k = 8, leaf 32): 1024 lanes moving at
@@ -77,7 +82,7 @@ def search_radius2(tree, r: Float[Array, "*batch"]) -> Float[Array, "*batch"]:
 class _Steps(eqx.Module):
     """The two moves of a walk for one query, on the tree's search arrays."""
 
-    tree: eqx.Module
+    tree: "KDTree"
     period: Float[Array, " d"] | None
 
     def __init__(self, tree):
@@ -250,12 +255,12 @@ def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State
 
         return lax.fori_loop(0, MAX_STEPS, one_step, (node, previous))
 
-    states = jax.vmap(lambda v: v.init())(visitors)
+    init = jax.vmap(lambda v: v.init())
     points = jax.vmap(steps.search_point)(x)
     # Queries are handed out in this order: position `i` along the curve is row
     # `order[i]` of the input.
     order = argsort_keys(morton_codes(points)).astype(index_dtype)
-    points, visitors, fresh_states = _rows((points, visitors, states), order)
+    points, visitors = _rows((points, visitors), order)
     # Every walk starts at its nearest leaf, found for all queries at once. The walk
     # from the root would stop on the way there only where the visitor prunes, and
     # visiting a leaf it would prune changes no state.
@@ -269,7 +274,7 @@ def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State
             jnp.where(position < q, first_node[jnp.minimum(position, q - 1)], _IDLE),
             node,
         )
-        fresh = _rows(fresh_states, jnp.minimum(position, q - 1))
+        fresh = init(_rows(visitors, jnp.minimum(position, q - 1)))
         state = jax.tree.map(
             lambda f, s: jnp.where(finished.reshape(-1, *(1,) * (s.ndim - 1)), f, s),
             fresh,
@@ -299,9 +304,9 @@ def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State
         lane,
         first_node[:LANES],
         jnp.full(LANES, -1, index_dtype),
-        _rows(fresh_states, lane),
+        init(_rows(visitors, lane)),
         jnp.array(LANES, index_dtype),
-        states,
+        init(visitors),  # the answers by input row; every row is written once
     )
     # Each finished query hands out one position: all are done when `q` more than
     # the first `LANES` have been handed out.
