@@ -31,17 +31,37 @@ def wrap_into_box(x: Float[Array, "... d"], period) -> Float[Array, "... d"]:
     return jnp.where(periodic, wrapped, x)
 
 
+def sum_of_squares(values: Float[Array, "... d"], by_additions: bool = False):
+    """The sum of squares over the last axis.
+
+    With `by_additions`, summed by plain additions rather than a reduction. XLA:CPU
+    hands float reductions over at least 4096 elements to YNNPACK kernels, which cost
+    far more per call than the additions fused into their neighbours: the descent of
+    all queries to their nearest leaves ran ~1.5x faster by additions. Inside the lane
+    loop the reduction is faster.
+    """
+    squares = values * values
+    if not by_additions:
+        return jnp.sum(squares, axis=-1)
+    total = squares[..., 0]
+    for i in range(1, values.shape[-1]):
+        total = total + squares[..., i]
+    return total
+
+
 def squared_distances(x: Float[Array, " d"], points: Float[Array, "m d"], period):
-    diff = minimum_image(points - x, period)
-    return jnp.sum(diff * diff, axis=-1)
+    return sum_of_squares(minimum_image(points - x, period))
 
 
-def squared_distance_to_box(x: Float[Array, " d"], lo, hi, period):
+def squared_distance_to_box(
+    x: Float[Array, " d"], lo, hi, period, by_additions: bool = False
+):
     """A lower bound on the squared distance from `x` to any point in the box.
 
     It is shrunk by a few ulps per dimension: a point on the box's nearest corner has
     the same exact distance, but the two sums may round differently (fused or not), and
-    a bound one ulp too high would prune a tie that must be visited.
+    a bound one ulp too high would prune a tie that must be visited. `by_additions`
+    is as in `sum_of_squares`.
     """
     gap = jnp.maximum(jnp.maximum(lo - x, x - hi), 0)
     if period is not None:
@@ -50,7 +70,7 @@ def squared_distance_to_box(x: Float[Array, " d"], lo, hi, period):
         above = jnp.maximum(lo - (x - period), 0) + jnp.maximum((x - period) - hi, 0)
         gap = jnp.where(period > 0, jnp.minimum(gap, jnp.minimum(below, above)), gap)
     slack = 4 * (x.shape[-1] + 2) * jnp.finfo(x.dtype).eps
-    return jnp.sum(gap * gap, axis=-1) * (1 - slack)
+    return sum_of_squares(gap, by_additions) * (1 - slack)
 
 
 def safe_norm(diff: Float[Array, "... d"]) -> Float[Array, "..."]:

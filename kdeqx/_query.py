@@ -4,6 +4,7 @@ from typing import TYPE_CHECKING
 
 import equinox as eqx
 import jax
+import jax.lax as lax
 import jax.numpy as jnp
 
 from ._custom_types import Array, ArrayLike, Bool, Float, Int
@@ -97,7 +98,14 @@ def merge_k_best(best_d2, best_indices, d2, indices):
             dtype=best_values.dtype,
         )
 
-    return pick(best_d2, d2), pick(best_indices, indices)
+    # Distances are picked as their bits: a float sum would go to a YNNPACK kernel on
+    # XLA:CPU, which made the whole query ~1.2x slower.
+    bits = jnp.dtype(f"int{8 * best_d2.dtype.itemsize}")
+    picked_bits = pick(
+        lax.bitcast_convert_type(best_d2, bits), lax.bitcast_convert_type(d2, bits)
+    )
+    picked_d2 = lax.bitcast_convert_type(picked_bits, best_d2.dtype)
+    return picked_d2, pick(best_indices, indices)
 
 
 def neighbour_distances(

@@ -102,17 +102,17 @@ class _Steps(eqx.Module):
     def is_internal(self, node: Int[Array, "*lanes"]) -> Bool[Array, "*lanes"]:
         return (node >= 0) & (node < self.first_leaf)
 
-    def children(self, x, node):
+    def children(self, x, node, by_additions: bool = False):
         """The children of `node` as `(near, far)` with their squared box distances;
         the left child is near when the two tie."""
         tree = self.tree
         left = 2 * node + 1
         right = left + 1
-        d2_left = squared_distance_to_box(
-            x, tree.node_lo[left], tree.node_hi[left], self.period
-        )
-        d2_right = squared_distance_to_box(
-            x, tree.node_lo[right], tree.node_hi[right], self.period
+        d2_left, d2_right = (
+            squared_distance_to_box(
+                x, tree.node_lo[child], tree.node_hi[child], self.period, by_additions
+            )
+            for child in (left, right)
         )
         left_is_near = d2_left <= d2_right
         near = jnp.where(left_is_near, left, right)
@@ -124,7 +124,8 @@ class _Steps(eqx.Module):
         depth = self.tree.num_leaves.bit_length() - 1
 
         def down(_, node):
-            return self.children(x, node)[0]
+            # Run for all queries at once: see `sum_of_squares`.
+            return self.children(x, node, by_additions=True)[0]
 
         return lax.fori_loop(
             0, depth, down, jnp.zeros((), self.tree.leaf_indices.dtype)
