@@ -39,6 +39,11 @@ def sum_of_squares(values: Float[Array, "... d"], by_additions: bool = False):
     far more per call than the additions fused into their neighbours: the descent of
     all queries to their nearest leaves ran ~1.5x faster by additions. Inside the lane
     loop the reduction is faster.
+
+    Use it only where a last-bit difference is harmless: XLA may recompute additions
+    in every kernel that reads them, contracting them to fused multiply-adds in some
+    and not in others, so two reads of one sum can differ. (Leaf distances summed this
+    way broke the k-best merge, whose ranks need one value per point.)
     """
     squares = values * values
     if not by_additions:
