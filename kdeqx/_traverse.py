@@ -203,11 +203,12 @@ def morton_codes(x: Float[Array, "q d"]) -> UInt[Array, " q"]:
     extent = jnp.max(x[:, :dims], axis=0) - lo
     unit = (x[:, :dims] - lo) / jnp.where(extent > 0, extent, 1)
     cells = (unit * (2**bits - 1)).astype(jnp.uint32)
-    code = jnp.zeros(x.shape[0], jnp.uint32)
-    for bit in range(bits):
-        for dim in range(dims):
-            code = code | (((cells[:, dim] >> bit) & 1) << (bit * dims + dim))
-    return code
+    # Bit `b` of dimension `j` goes to bit `b * dims + j` of the code; the bits are
+    # disjoint, so summing them sets them.
+    bit = jnp.arange(bits, dtype=jnp.uint32)
+    dim = jnp.arange(dims, dtype=jnp.uint32)[:, None]
+    spread = ((cells[:, :, None] >> bit) & 1) << (bit * dims + dim)
+    return jnp.sum(spread, axis=(1, 2), dtype=jnp.uint32)
 
 
 def _count_before(flags: Bool[Array, " lanes"], dtype) -> Int[Array, " lanes"]:
