@@ -73,6 +73,16 @@ class AbstractVisitor(eqx.Module):
         """
 
 
+def _at(array: Array, index: Int[Array, "..."]) -> Array:
+    """`array[index]` along the first axis, with the index clamped into range.
+
+    Lanes compute moves they then discard (a lane at a leaf has no children), so an
+    index may lie outside the array; clamping keeps that well defined, and traces to
+    one gather, where `array[index]` adds the wrapping of negative indices.
+    """
+    return array.at[index].get(mode="clip", wrap_negative_indices=False)
+
+
 def search_radius2(tree, r: Float[Array, "*batch"]) -> Float[Array, "*batch"]:
     """A distance `r` as a squared distance in the tree's scaled search coordinates."""
     scaled = r * lax.stop_gradient(tree.scale)
@@ -110,7 +120,11 @@ class _Steps(eqx.Module):
         right = left + 1
         d2_left, d2_right = (
             squared_distance_to_box(
-                x, tree.node_lo[child], tree.node_hi[child], self.period, by_additions
+                x,
+                _at(tree.node_lo, child),
+                _at(tree.node_hi, child),
+                self.period,
+                by_additions,
             )
             for child in (left, right)
         )
@@ -139,8 +153,8 @@ class _Steps(eqx.Module):
         min_index = self.tree.node_min_index
         parent = (node - 1) >> 1  # the root's parent is -1: the walk is over
         near, far, near_d2, far_d2 = self.children(x, node)
-        visit_near = visitor.should_visit(state, near_d2, min_index[near])
-        visit_far = visitor.should_visit(state, far_d2, min_index[far])
+        visit_near = visitor.should_visit(state, near_d2, _at(min_index, near))
+        visit_far = visitor.should_visit(state, far_d2, _at(min_index, far))
         after_parent = jnp.where(visit_near, near, jnp.where(visit_far, far, parent))
         after_near = jnp.where(visit_far, far, parent)
         following = jnp.where(
@@ -227,7 +241,7 @@ def _count_before(flags: Bool[Array, " lanes"], dtype) -> Int[Array, " lanes"]:
 
 
 def _rows(tree: PyTree, rows: Int[Array, "..."]) -> PyTree:
-    return jax.tree.map(lambda a: a[rows], tree)
+    return jax.tree.map(lambda a: _at(a, rows), tree)
 
 
 def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State:
@@ -273,7 +287,7 @@ def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State
         idle when none is left."""
         node = jnp.where(
             finished,
-            jnp.where(position < q, first_node[jnp.minimum(position, q - 1)], _IDLE),
+            jnp.where(position < q, _at(first_node, position), _IDLE),
             node,
         )
         fresh = init(_rows(visitors, jnp.minimum(position, q - 1)))
@@ -291,7 +305,7 @@ def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State
         previous = jnp.where(node >= steps.first_leaf, node, previous)
         node, previous = advance(xl, visitor, state, node_after, previous)
         finished = node == -1
-        row = jnp.where(finished, order[position], q)  # q: dropped
+        row = jnp.where(finished, _at(order, position), q)  # q: dropped
         out = jax.tree.map(lambda o, s: o.at[row].set(s, mode="drop"), out, state)
         position = jnp.where(
             finished, handed_out + _count_before(finished, index_dtype), position
