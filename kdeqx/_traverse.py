@@ -6,9 +6,10 @@ whether the walk came down from the parent or up from a child, and which child i
 "near" is recomputed from the children's bounding boxes.
 
 Many queries are walked by a fixed set of lanes (`walk_many`). A vmapped loop costs its
-slowest lane, so a lane whose query is finished takes the next one at once, instead of
-idling until the whole batch is done; queries are handed out along a Morton curve, so
-the lanes at work at any time walk nearby parts of the tree.
+slowest lane, so a lane whose query is finished takes its next one at once, instead of
+idling until the whole batch is done. Queries are sorted along a Morton curve and dealt
+out in turn (lane `l` walks queries `l`, `l + LANES`, ...), so the lanes at work at any
+time walk nearby parts of the tree, and each lane's share averages over the curve.
 """
 
 import abc
@@ -225,21 +226,6 @@ def morton_codes(x: Float[Array, "q d"]) -> UInt[Array, " q"]:
     return jnp.sum(spread, axis=(1, 2), dtype=jnp.uint32)
 
 
-def _count_before(flags: Bool[Array, " lanes"], dtype) -> Int[Array, " lanes"]:
-    """For each lane, how many lower lanes have their flag set.
-
-    Counted in blocks of 32 by masked sums: XLA:CPU splits a cumulative sum into
-    several small kernels, which each cost compile time.
-    """
-    blocks = flags.reshape(-1, 32).astype(dtype)
-    lower = jnp.arange(32)[None, :] < jnp.arange(32)[:, None]
-    within = jnp.sum(jnp.where(lower, blocks[:, None, :], 0), axis=2, dtype=dtype)
-    totals = jnp.sum(blocks, axis=1, dtype=dtype)
-    rows = jnp.arange(blocks.shape[0])
-    earlier = jnp.where(rows[None, :] < rows[:, None], totals, 0)
-    return (within + jnp.sum(earlier, axis=1, dtype=dtype)[:, None]).reshape(-1)
-
-
 def _rows(tree: PyTree, rows: Int[Array, "..."]) -> PyTree:
     return jax.tree.map(lambda a: _at(a, rows), tree)
 
@@ -273,8 +259,7 @@ def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State
 
     init = jax.vmap(lambda v: v.init())
     points = jax.vmap(steps.search_point)(x)
-    # Queries are handed out in this order: position `i` along the curve is row
-    # `order[i]` of the input.
+    # Position `i` along the curve is row `order[i]` of the input.
     order = argsort_keys(morton_codes(points)).astype(index_dtype)
     points, visitors = _rows((points, visitors), order)
     # Every walk starts at its nearest leaf, found for all queries at once. The walk
@@ -283,14 +268,14 @@ def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State
     first_node = jax.vmap(steps.nearest_leaf)(points)
 
     def take_next(position, finished, node, state):
-        """Lanes that finished start the query at `position` along the curve, or go
-        idle when none is left."""
+        """Lanes that finished start their next query, at `position` along the curve,
+        or go idle when they have none left."""
         node = jnp.where(
             finished,
             jnp.where(position < q, _at(first_node, position), _IDLE),
             node,
         )
-        fresh = init(_rows(visitors, jnp.minimum(position, q - 1)))
+        fresh = init(_rows(visitors, position))
         state = jax.tree.map(
             lambda f, s: jnp.where(finished.reshape(-1, *(1,) * (s.ndim - 1)), f, s),
             fresh,
@@ -299,7 +284,7 @@ def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State
         return node, state
 
     def step(carry):
-        position, node, previous, state, handed_out, out = carry
+        position, node, previous, state, out = carry
         xl, visitor = _rows((points, visitors), position)
         state, node_after = visit(xl, visitor, state, node)
         previous = jnp.where(node >= steps.first_leaf, node, previous)
@@ -307,13 +292,9 @@ def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State
         finished = node == -1
         row = jnp.where(finished, _at(order, position), q)  # q: dropped
         out = jax.tree.map(lambda o, s: o.at[row].set(s, mode="drop"), out, state)
-        position = jnp.where(
-            finished, handed_out + _count_before(finished, index_dtype), position
-        )
-        handed_out = handed_out + jnp.sum(finished, dtype=index_dtype)
+        position = jnp.where(finished, position + LANES, position)
         node, state = take_next(position, finished, node, state)
-        position = jnp.minimum(position, q - 1)  # an idle lane points at a real query
-        return position, node, previous, state, handed_out, out
+        return position, node, previous, state, out
 
     lane = jnp.arange(LANES, dtype=index_dtype)
     carry = (
@@ -321,9 +302,6 @@ def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State
         first_node[:LANES],
         jnp.full(LANES, -1, index_dtype),
         init(_rows(visitors, lane)),
-        jnp.array(LANES, index_dtype),
         init(visitors),  # the answers by input row; every row is written once
     )
-    # Each finished query hands out one position: all are done when `q` more than
-    # the first `LANES` have been handed out.
-    return lax.while_loop(lambda c: c[4] < q + LANES, step, carry)[-1]
+    return lax.while_loop(lambda c: jnp.min(c[0]) < q, step, carry)[-1]
