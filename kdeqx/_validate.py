@@ -52,9 +52,12 @@ def check_finite(name: str, array: Array) -> Array:
     # The check raises on a scalar tied back to the array, not on the array itself:
     # `error_if` on a sharded array would replicate it (its error branch is a host
     # callback shaped like the array) and so all-gather sharded queries.
+    # `a - a` is 0 where `a` is finite and NaN at NaN and +-inf: one sum tests all
+    # entries, in one kernel (`isfinite` then `all` is three on XLA:CPU).
+    all_finite = jnp.isfinite(jnp.sum(array - array))
     token = eqx.error_if(
         jnp.zeros((), array.dtype),
-        ~jnp.all(jnp.isfinite(array)),
+        ~all_finite,
         f"`{name}` must be finite (no NaN/inf).",
     )
     return array + token
