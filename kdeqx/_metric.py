@@ -40,10 +40,10 @@ def sum_of_squares(values: Float[Array, "... d"], by_additions: bool = False):
     all queries to their nearest leaves ran ~1.5x faster by additions. Inside the lane
     loop the reduction is faster.
 
-    Use it only where a last-bit difference is harmless: XLA may recompute additions
-    in every kernel that reads them, contracting them to fused multiply-adds in some
-    and not in others, so two reads of one sum can differ. (Leaf distances summed this
-    way broke the k-best merge, whose ranks need one value per point.)
+    Use it only where any answer is safe, as in choosing the leaf a walk starts from.
+    Leaf distances summed this way made XLA:CPU return wrong k-nearest neighbours
+    (d = 8, float32, in a vmapped walk): right with `--xla_disable_hlo_passes=algsimp`,
+    so a miscompile in XLA's algebraic simplifier, which the test suite caught.
     """
     squares = values * values
     if not by_additions:
