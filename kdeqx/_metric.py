@@ -4,6 +4,7 @@
 `<= 0` marks an axis as not periodic.
 """
 
+import jax.lax as lax
 import jax.numpy as jnp
 
 from ._custom_types import Array, Float
@@ -55,7 +56,24 @@ def sum_of_squares(values: Float[Array, "... d"], by_additions: bool = False):
 
 
 def squared_distances(x: Float[Array, " d"], points: Float[Array, "m d"], period):
-    return sum_of_squares(minimum_image(points - x, period))
+    """The squared distances from `x` to each of `points`.
+
+    Summed by one reduction with two outputs, the sum and the largest square; their
+    maximum is the sum, bit for bit (a rounded sum of non-negative terms is never
+    below one of them). XLA:CPU hands a plain float sum to a YNNPACK kernel but keeps
+    this one in its own loop emitter, where kNN queries ran ~1.2x faster. (Plain
+    additions, the other way around YNNPACK, were miscompiled: see `sum_of_squares`.)
+    """
+    diff = minimum_image(points - x, period)
+    squares = diff * diff
+    zero = jnp.zeros((), squares.dtype)
+    total, largest = lax.reduce(
+        (squares, squares),
+        (zero, zero),
+        lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])),
+        (squares.ndim - 1,),
+    )
+    return jnp.maximum(total, largest)
 
 
 def squared_distance_to_box(
