@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from ._custom_types import Array, ArrayLike, Bool, Float, Int
 from ._metric import minimum_image, safe_norm
+from ._sort import enable_x64_locally
 from ._traverse import AbstractVisitor, search_radius2, walk_many
 from ._validate import (
     as_float_array,
@@ -64,12 +65,12 @@ def merge_k_best(best_d2, best_indices, d2, indices):
     slots `(inf, n)` and the empty entries `(bound2, -1)` tie, and those are broken by
     position.
     """
-    k, leaf = best_d2.shape[0], d2.shape[0]
+    if d2.dtype.itemsize == 4 and indices.dtype.itemsize == 4:
+        return _merge_packed(best_d2, best_indices, d2, indices)
     candidate_first = lexicographic_less(
         d2[None, :], indices[None, :], best_d2[:, None], best_indices[:, None]
     )  # (k, leaf)
-    best_rank = jnp.arange(k) + jnp.sum(candidate_first, axis=1)
-    position = jnp.arange(leaf)
+    position = jnp.arange(d2.shape[0])
     candidate_before_candidate = lexicographic_less(
         d2[None, :], indices[None, :], d2[:, None], indices[:, None]
     ) | (
@@ -77,35 +78,77 @@ def merge_k_best(best_d2, best_indices, d2, indices):
         & (indices[None, :] == indices[:, None])
         & (position[None, :] < position[:, None])
     )
-    candidate_rank = jnp.sum(~candidate_first, axis=0) + jnp.sum(
-        candidate_before_candidate, axis=1
+    # Distances are picked as their bits: a float sum would go to a YNNPACK kernel on
+    # XLA:CPU, which made the whole query ~1.2x slower.
+    bits = jnp.dtype(f"int{8 * d2.dtype.itemsize}")
+    picked_bits, picked_indices = _pick_by_rank(
+        candidate_first,
+        candidate_before_candidate,
+        (lax.bitcast_convert_type(best_d2, bits), lax.bitcast_convert_type(d2, bits)),
+        (best_indices, indices),
+    )
+    return lax.bitcast_convert_type(picked_bits, d2.dtype), picked_indices
+
+
+def _merge_packed(best_d2, best_indices, d2, indices):
+    """`merge_k_best` for 32-bit distances and indices, on one uint64 key per entry:
+    one comparison orders two entries, where the lexicographic order takes five, and
+    one pick moves both halves (~1.15x faster kNN queries)."""
+    with enable_x64_locally():
+        # Padding slots tie with each other, but every best entry precedes them, so
+        # they rank k or later and are never picked.
+        best_keys = _packed_keys(best_d2, best_indices)
+        leaf_keys = _packed_keys(d2, indices)
+        (picked,) = _pick_by_rank(
+            leaf_keys[None, :] < best_keys[:, None],
+            leaf_keys[None, :] < leaf_keys[:, None],
+            (best_keys, leaf_keys),
+        )
+        low = picked.astype(jnp.uint32) - jnp.uint32(1)
+        high = (picked >> 32).astype(jnp.uint32)
+    return (
+        lax.bitcast_convert_type(high, d2.dtype),
+        lax.bitcast_convert_type(low, indices.dtype),
+    )
+
+
+def _packed_keys(d2, indices):
+    """uint64 keys in the order of `(d2, index)`: the bits of `d2 >= 0` above, and
+    `index + 1` below (so the empty entries' index -1 sorts first)."""
+    high = lax.bitcast_convert_type(d2, jnp.uint32).astype(jnp.uint64) << 32
+    low = lax.bitcast_convert_type(indices, jnp.uint32) + jnp.uint32(1)
+    return high | low.astype(jnp.uint64)
+
+
+def _pick_by_rank(candidate_first, candidate_before_candidate, *values):
+    """Merges by ranks: `candidate_first[i, j]` says leaf entry `j` precedes best
+    entry `i`, `candidate_before_candidate[i, j]` that leaf entry `j` precedes leaf
+    entry `i`. Returns, for each `(best, leaf)` pair of `values`, the first k of their
+    merged order."""
+    k = candidate_first.shape[0]
+    rank_dtype = jnp.int32
+    best_rank = jnp.arange(k, dtype=rank_dtype) + jnp.sum(
+        candidate_first, axis=1, dtype=rank_dtype
+    )
+    candidate_rank = jnp.sum(~candidate_first, axis=0, dtype=rank_dtype) + jnp.sum(
+        candidate_before_candidate, axis=1, dtype=rank_dtype
     )
     # Two one-hot picks, one per source: concatenating best and leaf first made this
     # merge ~3x slower on XLA:CPU (the concatenation is not fused into the loop).
-    slot = jnp.arange(k)
+    slot = jnp.arange(k, dtype=rank_dtype)
     from_best = best_rank[None, :] == slot[:, None]  # (k, k), one-hot rows
     from_leaf = candidate_rank[None, :] == slot[:, None]  # (k, leaf)
 
     def pick(best_values, leaf_values):
-        zero = jnp.zeros((), best_values.dtype)
-        return jnp.sum(
-            jnp.where(from_best, best_values[None, :], zero),
-            axis=1,
-            dtype=best_values.dtype,
-        ) + jnp.sum(
-            jnp.where(from_leaf, leaf_values[None, :], zero),
-            axis=1,
-            dtype=best_values.dtype,
+        dtype = best_values.dtype
+        zero = jnp.zeros((), dtype)
+        from_best_values = jnp.where(from_best, best_values[None, :], zero)
+        from_leaf_values = jnp.where(from_leaf, leaf_values[None, :], zero)
+        return jnp.sum(from_best_values, axis=1, dtype=dtype) + jnp.sum(
+            from_leaf_values, axis=1, dtype=dtype
         )
 
-    # Distances are picked as their bits: a float sum would go to a YNNPACK kernel on
-    # XLA:CPU, which made the whole query ~1.2x slower.
-    bits = jnp.dtype(f"int{8 * best_d2.dtype.itemsize}")
-    picked_bits = pick(
-        lax.bitcast_convert_type(best_d2, bits), lax.bitcast_convert_type(d2, bits)
-    )
-    picked_d2 = lax.bitcast_convert_type(picked_bits, best_d2.dtype)
-    return picked_d2, pick(best_indices, indices)
+    return tuple(pick(best, leaf) for best, leaf in values)
 
 
 def neighbour_distances(

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from ._custom_types import Array, Float, Int, UInt
 
 
-def _enable_x64():
+def enable_x64_locally():
     # `jax.enable_x64` in recent JAX, `jax.experimental.enable_x64` before.
     context = getattr(jax, "enable_x64", None)
     if context is None:
@@ -37,6 +37,6 @@ def argsort_keys(keys: UInt[Array, " m"]) -> Int[Array, " m"] | UInt[Array, " m"
         return jnp.argsort(keys, stable=True)
     position = jnp.arange(m, dtype=jnp.uint32)
     # A 64-bit sort inside the program, whatever the user's x64 setting.
-    with _enable_x64():
+    with enable_x64_locally():
         packed = keys.astype(jnp.uint64) << 32 | position.astype(jnp.uint64)
         return jnp.sort(packed).astype(jnp.uint32)

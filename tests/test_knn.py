@@ -1,3 +1,4 @@
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -135,3 +136,37 @@ def test_huge_and_tiny_coordinates():
         x = rng.random((20, 3)) * scale
         distances, indices = kdeqx.KDTree(points).query(x, 4)
         assert_knn_correct(points, x, 4, distances, indices, exact_ties=True)
+
+
+def test_queries_do_not_need_x64():
+    # float32 merges pack (distance, index) into uint64 keys inside a local x64
+    # context; the answers must be the same with x64 off (the default). Lattice data
+    # has exact ties, a bound leaves slots empty, and 3000 queries run on the lanes.
+    rng = np.random.default_rng(11)
+    points = DATASETS["lattice"](rng, 2000, 3).astype(np.float32)
+    x = lattice_queries(rng, 3000, 3, side=12).astype(np.float32)
+    bound = np.float32(1.2)
+    with jax.enable_x64(False):
+        tree = kdeqx.KDTree(points)
+        distances, indices = jax.jit(
+            lambda t, x: t.query(x, 6, distance_upper_bound=bound)
+        )(tree, x)
+        _, ball_indices, counts = jax.jit(
+            lambda t, x: t.query_ball_point(x, bound, max_neighbors=8)
+        )(tree, x)
+        assert indices.dtype == np.int32 and distances.dtype == np.float32
+    assert_knn_correct(
+        points,
+        x,
+        6,
+        np.asarray(distances),
+        np.asarray(indices),
+        exact_ties=True,
+        ub=bound,
+    )
+    nearest = np.sort(np.linalg.norm(x[:, None] - points[None], axis=-1), axis=1)
+    np.testing.assert_array_equal(np.asarray(counts), (nearest <= bound).sum(1))
+    expected_ball = np.where(nearest[:, :8] <= bound, 0, 2000)  # sentinel positions
+    np.testing.assert_array_equal(
+        np.asarray(ball_indices) == 2000, expected_ball == 2000
+    )
