@@ -210,13 +210,16 @@ def walk(tree, x: Float[Array, " d"], visitor: AbstractVisitor) -> _State:
     return walked[2]
 
 
-def morton_codes(x: Float[Array, "q d"]) -> UInt[Array, " q"]:
-    """Z-order codes of the queries, quantised within their own bounding box."""
+def morton_codes(
+    x: Float[Array, "q d"], lo: Float[Array, " d"], hi: Float[Array, " d"]
+) -> UInt[Array, " q"]:
+    """Z-order codes of the queries, quantised within the box `[lo, hi]` (queries
+    outside it share the cells on its faces)."""
     dims = min(x.shape[1], 30)
     bits = 30 // dims
-    lo = jnp.min(x[:, :dims], axis=0)
-    extent = jnp.max(x[:, :dims], axis=0) - lo
-    unit = (x[:, :dims] - lo) / jnp.where(extent > 0, extent, 1)
+    lo, hi = lo[:dims], hi[:dims]
+    extent = hi - lo
+    unit = jnp.clip((x[:, :dims] - lo) / jnp.where(extent > 0, extent, 1), 0, 1)
     cells = (unit * (2**bits - 1)).astype(jnp.uint32)
     # Bit `b` of dimension `j` goes to bit `b * dims + j` of the code; the bits are
     # disjoint, so summing them sets them.
@@ -260,7 +263,9 @@ def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State
     init = jax.vmap(lambda v: v.init())
     points = jax.vmap(steps.search_point)(x)
     # Position `i` along the curve is row `order[i]` of the input.
-    order = argsort_keys(morton_codes(points)).astype(index_dtype)
+    # Quantised in the root's box (the data's): no reductions over the queries.
+    codes = morton_codes(points, steps.tree.node_lo[0], steps.tree.node_hi[0])
+    order = argsort_keys(codes).astype(index_dtype)
     points, visitors = _rows((points, visitors), order)
     # Every walk starts at its nearest leaf, found for all queries at once. The walk
     # from the root would stop on the way there only where the visitor prunes, and
