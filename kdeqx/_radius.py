@@ -3,12 +3,11 @@
 from typing import TYPE_CHECKING
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 
 from ._custom_types import Array, ArrayLike, Bool, Float, Int
-from ._query import merge_k_best, neighbour_distances, prepare_queries
-from ._traverse import AbstractVisitor, search_radius2, walk_many
+from ._query import found_distances, merge_k_best, prepare_queries
+from ._traverse import AbstractVisitor, search_radius2, walk_queries
 from ._validate import check_radius, check_static_int
 
 
@@ -76,10 +75,12 @@ def _count(tree: "KDTree", x, r):
     if tree.n == 0 or x.size == 0:
         return jnp.zeros(x.shape[:-1], index_dtype)
 
-    visitors = jax.vmap(lambda ri: _BallCount(search_radius2(tree, ri), index_dtype))(
-        r.reshape(-1)
+    counts = walk_queries(
+        tree,
+        x.reshape(-1, tree.d),
+        lambda ri: _BallCount(search_radius2(tree, ri), index_dtype),
+        r,
     )
-    counts = walk_many(tree, x.reshape(-1, tree.d), visitors)
     return counts.reshape(x.shape[:-1])
 
 
@@ -111,10 +112,13 @@ def _collect(tree: "KDTree", x, r, k: int):
             jnp.zeros(batch, index_dtype),
         )
 
-    visitors = jax.vmap(
-        lambda ri: _BallNearest(k, search_radius2(tree, ri), index_dtype)
-    )(r.reshape(-1))
-    _, indices, counts = walk_many(tree, x.reshape(-1, tree.d), visitors)
+    d2, indices, counts = walk_queries(
+        tree,
+        x.reshape(-1, tree.d),
+        lambda ri: _BallNearest(k, search_radius2(tree, ri), index_dtype),
+        r,
+    )
     empty = indices == jnp.iinfo(index_dtype).max
     indices = jnp.where(empty, tree.n, indices).reshape(*batch, k)
-    return neighbour_distances(tree, x, indices), indices, counts.reshape(batch)
+    distances = found_distances(tree, x, indices, d2.reshape(*batch, k))
+    return distances, indices, counts.reshape(batch)

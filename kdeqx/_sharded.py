@@ -428,7 +428,9 @@ def _nearest(
 
 @eqx.filter_jit
 def _count(
-    tree: ShardedKDTree, x: Float[Array, "*batch d"], r: Float[Array, "*batch"]
+    tree: ShardedKDTree,
+    x: Float[Array, "*batch d"],
+    r: Float[Array, "*batch"] | Float[Array, ""],
 ) -> Int[Array, "*batch"]:
     """The sum of every tree's count."""
     index_dtype = index_dtype_for(tree.n)

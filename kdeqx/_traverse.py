@@ -233,22 +233,41 @@ def _rows(tree: PyTree, rows: Int[Array, "..."]) -> PyTree:
     return jax.tree.map(lambda a: _at(a, rows), tree)
 
 
-def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State:
-    """`jax.vmap(walk, (None, 0, 0))(tree, x, visitors)`, by lanes that take the next
-    query as soon as theirs is done.
+def walk_many(
+    tree,
+    x: Float[Array, "q d"],
+    visitors: AbstractVisitor,
+    visitor_axis: int | None = 0,
+) -> _State:
+    """`jax.vmap(walk, (None, 0, visitor_axis))(tree, x, visitors)`, by lanes that
+    take the next query as soon as theirs is done.
 
     **Arguments:** `x` holds `q >= 1` queries; `visitors` is a batch of `q` visitors
-    (one per query, built with `jax.vmap`).
+    (one per query, built with `jax.vmap`) or, with `visitor_axis=None`, one visitor
+    for all queries (which spares the program the gathers of per-query fields).
 
     **Returns:** the visitors' final states, batched along the queries.
     """
     q = x.shape[0]
     if q <= LANES:
-        return jax.vmap(walk, in_axes=(None, 0, 0))(tree, x, visitors)
+        return jax.vmap(walk, in_axes=(None, 0, visitor_axis))(tree, x, visitors)
     steps = _Steps(tree)
-    move = jax.vmap(steps.move)
-    visit = jax.vmap(steps.visit)
+    move = jax.vmap(steps.move, in_axes=(0, visitor_axis, 0, 0, 0))
+    visit = jax.vmap(steps.visit, in_axes=(0, visitor_axis, 0, 0))
     index_dtype = tree.leaf_indices.dtype
+
+    def visitors_at(positions):
+        """The visitors of the queries at `positions` along the curve."""
+        return visitors if visitor_axis is None else _rows(visitors, positions)
+
+    def init(positions):
+        """The initial states of the queries at `positions` along the curve."""
+        if visitor_axis is None:
+            return jax.tree.map(
+                lambda s: jnp.broadcast_to(s, (*positions.shape, *s.shape)),
+                visitors.init(),
+            )
+        return jax.vmap(lambda v: v.init())(visitors_at(positions))
 
     def advance(x, visitor, state, node, previous):
         """Moves every lane `MAX_STEPS` steps towards its next leaf (lanes that reach
@@ -260,13 +279,14 @@ def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State
 
         return lax.fori_loop(0, MAX_STEPS, one_step, (node, previous))
 
-    init = jax.vmap(lambda v: v.init())
     points = jax.vmap(steps.search_point)(x)
     # Position `i` along the curve is row `order[i]` of the input.
     # Quantised in the root's box (the data's): no reductions over the queries.
     codes = morton_codes(points, steps.tree.node_lo[0], steps.tree.node_hi[0])
     order = argsort_keys(codes).astype(index_dtype)
-    points, visitors = _rows((points, visitors), order)
+    points = _rows(points, order)
+    if visitor_axis is not None:
+        visitors = _rows(visitors, order)
     # Every walk starts at its nearest leaf, found for all queries at once. The walk
     # from the root would stop on the way there only where the visitor prunes, and
     # visiting a leaf it would prune changes no state.
@@ -280,7 +300,7 @@ def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State
             jnp.where(position < q, _at(first_node, position), _IDLE),
             node,
         )
-        fresh = init(_rows(visitors, position))
+        fresh = init(position)
         state = jax.tree.map(
             lambda f, s: jnp.where(finished.reshape(-1, *(1,) * (s.ndim - 1)), f, s),
             fresh,
@@ -290,7 +310,7 @@ def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State
 
     def step(carry):
         position, node, previous, state, out = carry
-        xl, visitor = _rows((points, visitors), position)
+        xl, visitor = _rows(points, position), visitors_at(position)
         state, node_after = visit(xl, visitor, state, node)
         previous = jnp.where(node >= steps.first_leaf, node, previous)
         node, previous = advance(xl, visitor, state, node_after, previous)
@@ -306,7 +326,18 @@ def walk_many(tree, x: Float[Array, "q d"], visitors: AbstractVisitor) -> _State
         lane,
         first_node[:LANES],
         jnp.full(LANES, -1, index_dtype),
-        init(_rows(visitors, lane)),
-        init(visitors),  # the answers by input row; every row is written once
+        init(lane),
+        init(
+            jnp.arange(q, dtype=index_dtype)
+        ),  # the answers by input row; every row is written once
     )
     return lax.while_loop(lambda c: jnp.min(c[0]) < q, step, carry)[-1]
+
+
+def walk_queries(tree, x: Float[Array, "q d"], make_visitor, parameter) -> _State:
+    """`walk_many` with the visitors `make_visitor(p)` for the queries' parameters:
+    one visitor for all queries when `parameter` is a scalar, else one per query
+    (`parameter` then has `q` entries)."""
+    if jnp.ndim(parameter) == 0:
+        return walk_many(tree, x, make_visitor(parameter), visitor_axis=None)
+    return walk_many(tree, x, jax.vmap(make_visitor)(parameter.reshape(-1)))

@@ -117,11 +117,11 @@ def index_dtype_for(count: int):
 
 
 def check_radius(r, batch: tuple[int, ...], dtype) -> Array:
-    """A finite radius `>= 0`, scalar or one per query, broadcast to `batch`."""
+    """A finite radius `>= 0`: a scalar, or one per query of shape `batch`."""
     r = as_float_array("r", r, dtype=dtype)
     if r.ndim > 0 and r.shape != batch:
         raise ValueError(
             f"`r` must be a scalar or have the queries' batch shape {batch}, got "
             f"shape {tuple(r.shape)}."
         )
-    return jnp.broadcast_to(check_nonnegative("r", r), batch)
+    return check_nonnegative("r", r)

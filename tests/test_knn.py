@@ -170,3 +170,18 @@ def test_queries_do_not_need_x64():
     np.testing.assert_array_equal(
         np.asarray(ball_indices) == 2000, expected_ball == 2000
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_distances_are_the_ranked_ones(dtype):
+    """The returned distances are the ones the walk ranked by: sorted along `k`, and
+    equal to the distances to the returned rows up to an ulp or two of rounding."""
+    rng = np.random.default_rng(7)
+    points = rng.random((3000, 3)).astype(dtype)
+    x = rng.random((1500, 3)).astype(dtype)  # more queries than lanes
+    distances, indices = jit_query(kdeqx.KDTree(points), x, 8)
+    assert (np.diff(np.asarray(distances), axis=-1) >= 0).all()
+    rows = points.astype(np.float64)[np.asarray(indices)]
+    recomputed = np.linalg.norm(x.astype(np.float64)[:, None] - rows, axis=-1)
+    eps = np.finfo(dtype).eps
+    np.testing.assert_allclose(distances, recomputed, rtol=4 * eps)
