@@ -10,6 +10,7 @@ compared with scipy's distances.
 """
 
 import argparse
+import importlib.metadata
 import time
 
 import equinox as eqx
@@ -145,7 +146,9 @@ def main():
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     versions = [f"kdeqx {kdeqx.__version__}"]
     versions += [
-        f"{m.__name__} {getattr(m, '__version__', '?')}" for m in (jaxkd, jaxknn) if m
+        f"{m.__name__} {importlib.metadata.version(m.__name__)}"
+        for m in (jaxkd, jaxknn)
+        if m
     ]
     print(", ".join(versions))
     for data in args.data:
