@@ -6,6 +6,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from ._custom_types import Array, ArrayLike, Bool, Float
+from ._mesh import split_like_queries
 from ._query import knn
 from ._validate import as_float_array, check_finite, check_static_int
 
@@ -92,6 +93,14 @@ def interpolate(
         scale = eqx.error_if(scale, scale <= 0, "`length_scale` must be > 0.")
         weights = gaussian_weights(distances, found, scale)
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return _weighted_sum(values, indices, weights)
+
+
+@split_like_queries
+def _weighted_sum(values, indices, weights):
+    """`sum_j weights[..., j] values[indices[..., j]]`; missing neighbours (index `n`)
+    must have weight 0."""
+    found = indices < values.shape[0]
     neighbours = values[jnp.where(found, indices, 0)]  # (..., k, *feature)
     feature_axes = (None,) * (values.ndim - 1)
     return jnp.sum(weights[(..., *feature_axes)] * neighbours, axis=weights.ndim - 1)

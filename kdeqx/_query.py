@@ -8,6 +8,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 
 from ._custom_types import Array, ArrayLike, Bool, Float, Int
+from ._mesh import split_like_queries
 from ._metric import minimum_image, safe_norm
 from ._sort import enable_x64_locally
 from ._traverse import AbstractVisitor, search_radius2, walk_queries
@@ -226,6 +227,7 @@ def knn(
 
 
 @eqx.filter_jit
+@split_like_queries
 def _knn(tree: "KDTree", x, bound, k: int):
     batch = x.shape[:-1]
     index_dtype = tree.leaf_indices.dtype

@@ -6,6 +6,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from ._custom_types import Array, ArrayLike, Bool, Float, Int
+from ._mesh import split_like_queries
 from ._query import found_distances, merge_k_best, prepare_queries
 from ._traverse import AbstractVisitor, search_radius2, walk_queries
 from ._validate import check_radius, check_static_int
@@ -70,6 +71,7 @@ def count_ball_point(tree: "KDTree", x: ArrayLike, r) -> Int[Array, "*batch"]:
 
 
 @eqx.filter_jit
+@split_like_queries
 def _count(tree: "KDTree", x, r):
     index_dtype = tree.leaf_indices.dtype
     if tree.n == 0 or x.size == 0:
@@ -101,6 +103,7 @@ def query_ball_point(
 
 
 @eqx.filter_jit
+@split_like_queries
 def _collect(tree: "KDTree", x, r, k: int):
     batch = x.shape[:-1]
     index_dtype = tree.leaf_indices.dtype

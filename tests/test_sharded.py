@@ -150,14 +150,6 @@ def test_jit_over_split_queries(shared_checks):
     _assert_passed(shared_checks, "jit_queries")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="On a mesh with explicit axes (the default of `jax.make_mesh`), `knn` "
-    "broadcasts `distance_upper_bound` (and `_prepare_radius` `r`) unsharded next to "
-    "the split queries under `vmap`, and the walk's gathers from the replicated tree "
-    "by split indices need an `out_sharding`: tracing fails. Known limitation; "
-    "`jax.shard_map` works on such meshes (docs/scaling.md).",
-)
 def test_jit_over_split_queries_on_an_explicit_mesh(shared_checks):
     _assert_passed(shared_checks, "jit_queries_explicit")
 
@@ -217,7 +209,12 @@ def _replicated_tree_and_queries(axis_type_name: str):
         rng = np.random.default_rng(0)
         tree = kdeqx.KDTree(rng.random((1000, 3)).astype(np.float32))
         x = rng.random((64, 3)).astype(np.float32)
-        _ONE_DEVICE.update(tree=tree, x=x, answers=jax.jit(_every_query)(tree, x))
+        _ONE_DEVICE.update(
+            tree=tree,
+            x=x,
+            answers=jax.jit(_every_query)(tree, x),
+            gradient=jax.jit(jax.grad(_distances_and_field))(x, tree),
+        )
     axis_type = getattr(AxisType, axis_type_name)
     mesh = jax.make_mesh((NUM_DEVICES,), ("q",), axis_types=(axis_type,))
     by_rows = NamedSharding(mesh, P("q"))
@@ -261,6 +258,14 @@ def _check_jit_queries(axis_type: str):
     # any device, is unfinished.
     assert all(op != "all-gather" for _, op in collectives), collectives
     _assert_split_like_queries(out, by_rows, reference)
+    # Gradients with respect to the split queries come back split and equal.
+    grad = jax.jit(jax.grad(_distances_and_field))(x, tree)
+    assert grad.sharding.is_equivalent_to(by_rows, grad.ndim), grad.sharding
+    _assert_same(grad, _ONE_DEVICE["gradient"], exact=False)
+
+
+def _distances_and_field(x, tree):
+    return tree.query(x, 4)[0].sum() + tree.interpolate(x, tree.points, k=4).sum()
 
 
 def check_jit_queries():
@@ -269,6 +274,7 @@ def check_jit_queries():
 
 
 def check_jit_queries_explicit():
+    """The same on a mesh with explicit axes (the default of `jax.make_mesh`)."""
     _check_jit_queries("Explicit")
 
 
