@@ -293,7 +293,11 @@ def _out_avals(eqn: jex.JaxprEqn) -> list[Any]:
 
 
 def _bind(eqn: jex.JaxprEqn, *args: Any) -> Any:
-    return eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(params, tuple):  # JAX < 0.10: `(subfuns, params)`
+        subfuns, params = params
+        args = (*subfuns, *args)
+    return eqn.primitive.bind(*args, **params)
 
 
 def _as_list(eqn: jex.JaxprEqn, out: Any) -> list[Any]:
@@ -755,9 +759,9 @@ def _eval_jaxpr(
         env[v] = x
     for eqn in jaxpr.eqns:
         outvals = _eval_eqn(eqn, [read(v) for v in eqn.invars])
-        for v, x in zip(eqn.outvars, outvals):
-            if not isinstance(v, jex.DropVar):
-                env[v] = x
+        # Dropped outputs (`_`) are stored too: nothing reads them, and JAX before
+        # 0.10 has no public `DropVar` to test for.
+        env.update(zip(eqn.outvars, outvals))
     return [read(v) for v in jaxpr.outvars]
 
 

@@ -1,6 +1,10 @@
 """Data sets and independent references (numpy brute force, scipy) for the tests."""
 
+import importlib
+
 import equinox as eqx
+import jax
+import jax.extend.core as jex
 import numpy as np
 
 
@@ -117,3 +121,24 @@ def central_difference(f, x, eps=1e-6):
         step[i] = eps
         grad[i] = (f(x + step) - f(x - step)) / (2 * eps)
     return grad
+
+
+def count_equations(jaxpr) -> int:
+    """Equations in a jaxpr, including those of every nested jaxpr (loops, conds)."""
+    total = 0
+    for equation in jaxpr.eqns:
+        total += 1
+        for param in equation.params.values():
+            for sub in param if isinstance(param, list | tuple) else [param]:
+                if isinstance(sub, jex.ClosedJaxpr):
+                    total += count_equations(sub.jaxpr)
+                elif isinstance(sub, jex.Jaxpr):
+                    total += count_equations(sub)
+    return total
+
+
+def x64_off():
+    """`jax.enable_x64(False)`, or its older name before JAX 0.8."""
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(False)
+    return importlib.import_module("jax.experimental").disable_x64()

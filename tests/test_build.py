@@ -6,7 +6,7 @@ import pytest
 
 import kdeqx
 
-from .helpers import DATASETS, DTYPES
+from .helpers import DATASETS, DTYPES, x64_off
 
 
 def _leaves_of(tree):
@@ -123,7 +123,7 @@ def test_the_build_does_not_need_x64():
     # out with x64 off (the default), under jit and under vmap.
     points = DATASETS["duplicates"](np.random.default_rng(5), 700, 3).astype(np.float32)
     expected = np.asarray(kdeqx.KDTree(points).leaf_indices)
-    with jax.enable_x64(False):
+    with x64_off():
         tree = eqx.filter_jit(kdeqx.KDTree)(points)
         batched = eqx.filter_vmap(kdeqx.KDTree)(np.stack([points, points[::-1]]))
         assert tree.leaf_indices.dtype == np.int32

@@ -5,19 +5,7 @@ import numpy as np
 
 import kdeqx
 
-
-def _count_equations(jaxpr) -> int:
-    """Equations in a jaxpr, including those of every nested jaxpr (loops, conds)."""
-    total = 0
-    for equation in jaxpr.eqns:
-        total += 1
-        for param in equation.params.values():
-            for sub in param if isinstance(param, list | tuple) else [param]:
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    total += _count_equations(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    total += _count_equations(sub)
-    return total
+from .helpers import count_equations
 
 
 def _query_size(n):
@@ -26,12 +14,12 @@ def _query_size(n):
     )
     x = jax.ShapeDtypeStruct((64, 3), jnp.float32)
     jaxpr = jax.make_jaxpr(lambda t, x: t.query(x, 8))(tree, x)
-    return _count_equations(jaxpr.jaxpr)
+    return count_equations(jaxpr.jaxpr)
 
 
 def _build_size(n):
     points = jax.ShapeDtypeStruct((n, 3), jnp.float32)
-    return _count_equations(jax.make_jaxpr(kdeqx.KDTree)(points).jaxpr)
+    return count_equations(jax.make_jaxpr(kdeqx.KDTree)(points).jaxpr)
 
 
 def test_query_program_does_not_grow_with_n():

@@ -5,6 +5,8 @@ import pytest
 
 import kdeqx
 
+from .helpers import x64_off
+
 
 @pytest.mark.parametrize("shape", [(5,), (2, 3, 4), ()])
 def test_points_of_wrong_rank(shape):
@@ -81,7 +83,7 @@ def test_index_limits_never_wrap_around():
     too_many = jax.ShapeDtypeStruct((2**31, 1), np.float32)
     tree = eqx.filter_eval_shape(kdeqx.KDTree, too_many)  # x64 is on in the tests
     assert tree.leaf_indices.dtype == np.int64
-    with jax.enable_x64(False):
+    with x64_off():
         with pytest.raises(ValueError, match="need 64-bit integers"):
             eqx.filter_eval_shape(kdeqx.KDTree, too_many)
     fits = eqx.filter_eval_shape(

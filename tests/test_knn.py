@@ -12,6 +12,7 @@ from .helpers import (
     DTYPES,
     jit_query,
     lattice_queries,
+    x64_off,
 )
 
 
@@ -146,7 +147,7 @@ def test_queries_do_not_need_x64():
     points = DATASETS["lattice"](rng, 2000, 3).astype(np.float32)
     x = lattice_queries(rng, 3000, 3, side=12).astype(np.float32)
     bound = np.float32(1.2)
-    with jax.enable_x64(False):
+    with x64_off():
         tree = kdeqx.KDTree(points)
         distances, indices = jax.jit(
             lambda t, x: t.query(x, 6, distance_upper_bound=bound)

@@ -7,7 +7,6 @@ import math
 
 import equinox as eqx
 import jax
-import jax.extend.core as jex
 import jax.flatten_util
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +14,8 @@ import pytest
 
 import kdeqx
 from kdeqx._taylor import taylor_coefficients
+
+from .helpers import count_equations
 
 
 DTYPES = [jnp.float32, jnp.float64]
@@ -539,10 +540,6 @@ def test_unsupported_primitive_is_named():
 
 
 # --- Compilation ----------------------------------------------------------------------
-
-
-def count_equations(jaxpr):
-    return len(jaxpr.eqns) + sum(count_equations(j) for j in jex.subjaxprs(jaxpr))
 
 
 def test_program_size_does_not_grow_with_order():
