@@ -101,3 +101,27 @@ def safe_norm(diff: Float[Array, "... d"]) -> Float[Array, "..."]:
     d2 = jnp.sum(diff * diff, axis=-1)
     positive = d2 > 0
     return jnp.where(positive, jnp.sqrt(jnp.where(positive, d2, 1)), 0)
+
+
+def norm_without_overflow(
+    diff: Float[Array, "... d"], largest: Float[Array, "... 1"] | None = None
+) -> Float[Array, "..."]:
+    """`safe_norm` of `diff` brought near 1 by a power of two first, so that the
+    squares neither overflow nor underflow (float32 differences beyond ~1e19 would
+    square to `inf`).
+
+    The power of two is exact and held constant under differentiation (the norm is
+    homogeneous, so the derivatives are exact). It is kept within the normal range
+    together with its reciprocal: XLA:CPU divides by multiplying by the reciprocal,
+    and flushes a subnormal one to zero. `largest`, when given, is `max |diff|` along
+    the last axis (kept).
+    """
+    if largest is None:
+        largest = jnp.max(jnp.abs(diff), axis=-1, keepdims=True)
+    largest = lax.stop_gradient(largest)
+    info = jnp.finfo(diff.dtype)
+    _, exponent = jnp.frexp(jnp.where(jnp.isfinite(largest), largest, 1))
+    exponent = jnp.clip(exponent - 1, info.minexp + 1, info.maxexp - 2)
+    one = jnp.ones((), diff.dtype)
+    scaled = diff * jnp.ldexp(one, -exponent)
+    return safe_norm(scaled) * jnp.ldexp(one, exponent)[..., 0]

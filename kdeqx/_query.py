@@ -9,9 +9,9 @@ import jax.numpy as jnp
 
 from ._custom_types import Array, ArrayLike, Bool, Float, Int
 from ._mesh import split_like_queries
-from ._metric import minimum_image, safe_norm
+from ._metric import minimum_image, norm_without_overflow, wrap_into_box
 from ._sort import enable_x64_locally
-from ._traverse import AbstractVisitor, search_radius2, walk_queries
+from ._traverse import AbstractVisitor, far_limit, search_radius2, walk_queries
 from ._validate import (
     as_float_array,
     check_finite,
@@ -163,11 +163,39 @@ def neighbour_distances(
         return jnp.full(indices.shape, jnp.inf, x.dtype)
     found = indices < tree.n
     rows = tree.points[jnp.where(found, indices, 0)]
-    # Scaled like the search, so that float32 norms of huge or tiny differences stay
-    # finite and non-zero; the scale is a power of two, so this is exact.
     diff = minimum_image(x[..., None, :] - rows, tree.period)
-    distance = safe_norm(diff * tree.scale) / tree.scale
-    return jnp.where(found, distance, jnp.inf)
+    return jnp.where(found, norm_without_overflow(diff), jnp.inf)
+
+
+class FarQueries(eqx.Module):
+    """Which queries lie beyond the search's clamp (`far_limit`), and each query's
+    distance to the tree's bounding box: for a far query, the distance to every point
+    of the tree, to float precision.
+
+    The walk answers a far query from its clamped position, which is nearer the tree:
+    it ranks every point equal (so by index) and may admit points that are beyond the
+    bound or radius. The entry points drop those (`beyond`) and report `distance`.
+    """
+
+    far: Bool[Array, "*batch"]
+    distance: Float[Array, "*batch"]
+
+    def __init__(self, tree: "KDTree", x: Float[Array, "*batch d"]):
+        x = wrap_into_box(lax.stop_gradient(x), tree.period)
+        scale = lax.stop_gradient(tree.scale)
+        lo, hi = (
+            lax.stop_gradient(box[0]) / scale for box in (tree.node_lo, tree.node_hi)
+        )
+        gap = jnp.maximum(jnp.maximum(lo - x, x - hi), 0)
+        largest = jnp.max(gap, axis=-1)
+        self.distance = norm_without_overflow(gap, largest[..., None])
+        # Every clamped query is this far (the tree lies within 1 of the origin), and
+        # from this far every point is at `distance`, to float precision, anyway.
+        self.far = largest * scale >= far_limit(x.dtype, x.shape[-1]) / 2
+
+    def beyond(self, admits: Bool[Array, "*batch"]) -> Bool[Array, "*batch"]:
+        """The far queries whose threshold test `admits(distance)` fails."""
+        return self.far & ~admits
 
 
 def found_distances(
@@ -175,10 +203,11 @@ def found_distances(
     x: Float[Array, "*batch d"],
     indices: Int[Array, "*batch k"],
     d2: Float[Array, "*batch k"],
+    far: FarQueries,
 ) -> Float[Array, "*batch k"]:
     """The distances to the found neighbours, `inf` at sentinels, from the squared
-    distances `d2` the walk measured (in search coordinates), with the derivatives of
-    `neighbour_distances`.
+    distances `d2` the walk measured (in search coordinates; for far queries, their
+    distance to the tree), with the derivatives of `neighbour_distances`.
 
     The values are the walk's (the ones it ranked by; a recomputation from the rows
     may differ in the last bit, as the sums round in another order), so a query's
@@ -186,6 +215,7 @@ def found_distances(
     its compile work; only derivatives gather them.
     """
     measured = jnp.sqrt(d2) / lax.stop_gradient(tree.scale)
+    measured = jnp.where(far.far[..., None], far.distance[..., None], measured)
     return _differentiable(
         jnp.where(indices < tree.n, measured, jnp.inf), tree, x, indices
     )
@@ -242,6 +272,10 @@ def _knn(tree: "KDTree", x, bound, k: int):
             lambda b: _KNearest(k, search_radius2(tree, b), index_dtype),
             bound,
         )
-        indices = jnp.where(indices < 0, tree.n, indices).reshape(*batch, k)
-        return found_distances(tree, x, indices, d2.reshape(*batch, k)), indices
+        far = FarQueries(tree, x)
+        missing = (indices < 0).reshape(*batch, k)
+        missing = missing | far.beyond(far.distance < bound)[..., None]
+        indices = jnp.where(missing, tree.n, indices.reshape(*batch, k))
+        d2 = d2.reshape(*batch, k)
+        return found_distances(tree, x, indices, d2, far), indices
     return neighbour_distances(tree, x, indices), indices

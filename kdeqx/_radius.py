@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from ._custom_types import Array, ArrayLike, Bool, Float, Int
 from ._mesh import split_like_queries
-from ._query import found_distances, merge_k_best, prepare_queries
+from ._query import FarQueries, found_distances, merge_k_best, prepare_queries
 from ._traverse import AbstractVisitor, search_radius2, walk_queries
 from ._validate import check_radius, check_static_int
 
@@ -83,7 +83,8 @@ def _count(tree: "KDTree", x, r):
         lambda ri: _BallCount(search_radius2(tree, ri), index_dtype),
         r,
     )
-    return counts.reshape(x.shape[:-1])
+    far = FarQueries(tree, x)
+    return jnp.where(far.beyond(far.distance <= r), 0, counts.reshape(x.shape[:-1]))
 
 
 def query_ball_point(
@@ -121,7 +122,9 @@ def _collect(tree: "KDTree", x, r, k: int):
         lambda ri: _BallNearest(k, search_radius2(tree, ri), index_dtype),
         r,
     )
-    empty = indices == jnp.iinfo(index_dtype).max
-    indices = jnp.where(empty, tree.n, indices).reshape(*batch, k)
-    distances = found_distances(tree, x, indices, d2.reshape(*batch, k))
-    return distances, indices, counts.reshape(batch)
+    far = FarQueries(tree, x)
+    beyond = far.beyond(far.distance <= r)
+    empty = (indices == jnp.iinfo(index_dtype).max).reshape(*batch, k)
+    indices = jnp.where(empty | beyond[..., None], tree.n, indices.reshape(*batch, k))
+    distances = found_distances(tree, x, indices, d2.reshape(*batch, k), far)
+    return distances, indices, jnp.where(beyond, 0, counts.reshape(batch))

@@ -13,6 +13,7 @@ time walk nearby parts of the tree, and each lane's share averages over the curv
 """
 
 import abc
+import math
 from typing import TYPE_CHECKING
 
 import equinox as eqx
@@ -85,9 +86,27 @@ def _at(array: Array, index: Int[Array, "..."]) -> Array:
 
 
 def search_radius2(tree, r: Float[Array, "*batch"]) -> Float[Array, "*batch"]:
-    """A distance `r` as a squared distance in the tree's scaled search coordinates."""
+    """A distance `r` as a squared distance in the tree's scaled search coordinates.
+
+    A square that overflows becomes the largest finite float, not `inf`: every real
+    point's squared distance is finite (see `far_limit`), and leaf padding, at `inf`,
+    must stay outside every ball.
+    """
     scaled = r * lax.stop_gradient(tree.scale)
-    return scaled * scaled
+    return jnp.minimum(scaled * scaled, jnp.finfo(scaled.dtype).max)
+
+
+def far_limit(dtype, d: int) -> float:
+    """The search clamps scaled query coordinates into `[-C, C]`, `C` a power of two.
+
+    The tree's scaled coordinates lie in `[-1, 1]`, so squared distances stay below
+    `d (C + 1)**2`, which is finite. A query beyond `C` (2**62 in float32 and 3-D) is
+    so far that every point of the tree is at the same distance to float precision:
+    the walk from the clamped query still ranks them all equal (by index), and the
+    query's entry point replaces distances and thresholds by the true ones.
+    """
+    max_exponent = jnp.finfo(dtype).maxexp
+    return 2.0 ** ((max_exponent - 2 - math.ceil(math.log2(d))) // 2)
 
 
 class _Steps(eqx.Module):
@@ -108,7 +127,9 @@ class _Steps(eqx.Module):
     def search_point(self, x: Float[Array, " d"]) -> Float[Array, " d"]:
         """`x` in the scaled (and, in a periodic box, wrapped) search coordinates."""
         tree = self.tree
-        return wrap_into_box(lax.stop_gradient(x), tree.period) * tree.scale
+        scaled = wrap_into_box(lax.stop_gradient(x), tree.period) * tree.scale
+        limit = far_limit(scaled.dtype, scaled.shape[-1])
+        return jnp.clip(scaled, -limit, limit)
 
     def is_internal(self, node: Int[Array, "*lanes"]) -> Bool[Array, "*lanes"]:
         return (node >= 0) & (node < self.first_leaf)
