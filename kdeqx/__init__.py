@@ -3,9 +3,9 @@
 import importlib.metadata
 
 from ._interpolate import Interpolator as Interpolator
-from ._series import OperatorSeries as OperatorSeries
 from ._sharded import ShardedKDTree as ShardedKDTree
-from ._tree import KDTree as KDTree
+from ._tree import AbstractKDTree as AbstractKDTree, KDTree as KDTree
+from .series import OperatorSeries as OperatorSeries
 
 
 __version__ = importlib.metadata.version("kdeqx")

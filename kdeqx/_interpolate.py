@@ -1,24 +1,24 @@
 """Interpolation from the k nearest points: kernel weights and a trainable module."""
 
+import functools as ft
+from collections.abc import Callable
 from typing import Literal, TYPE_CHECKING
 
 import equinox as eqx
 import jax.numpy as jnp
 
 from ._custom_types import Array, ArrayLike, Bool, Float
-from ._mesh import split_like_queries
-from ._query import knn
-from ._validate import as_float_array, check_finite, check_static_int
+from ._validate import check_positive, check_static_int, check_values
 
 
 if TYPE_CHECKING:
-    from ._tree import KDTree
+    from ._tree import AbstractKDTree
 
 
 Kernel = Literal["idw", "gaussian"]
 
 
-def idw_weights(
+def _idw_weights(
     distances: Float[Array, "*batch k"], found: Bool[Array, "*batch k"], power: float
 ) -> Float[Array, "*batch k"]:
     """Inverse-distance weights `1/d**power`, scaled by the nearest distance.
@@ -36,7 +36,7 @@ def idw_weights(
     return jnp.where(on_data, hit.astype(distances.dtype), smooth)
 
 
-def gaussian_weights(
+def _gaussian_weights(
     distances: Float[Array, "*batch k"],
     found: Bool[Array, "*batch k"],
     length_scale: Float[Array, ""],
@@ -48,66 +48,35 @@ def gaussian_weights(
     return jnp.where(found, jnp.exp(-exponent), 0)
 
 
-def _check_values(tree: "KDTree", values: ArrayLike) -> Float[Array, "n ..."]:
-    values = as_float_array("values", values)
-    if values.ndim < 1 or values.shape[0] != tree.n:
-        raise ValueError(
-            f"`values` must have one row per point, shape ({tree.n}, ...), got shape "
-            f"{tuple(values.shape)}."
-        )
-    return check_finite("values", values)
-
-
-def check_kernel(kernel, power, length_scale):
+def kernel_weights(
+    kernel: Kernel, power: float, length_scale, dtype
+) -> Callable[[Float[Array, "*batch k"], Bool[Array, "*batch k"]], Array]:
+    """The kernel's weights as a function of the neighbours' distances and which of
+    them exist, after checking its parameters."""
     if kernel == "idw":
         if not power > 0:
             raise ValueError(f"`power` must be > 0 for kernel='idw', got {power}.")
-    elif kernel == "gaussian":
+        return ft.partial(_idw_weights, power=power)
+    if kernel == "gaussian":
         if length_scale is None:
             raise ValueError("kernel='gaussian' needs a `length_scale`.")
-    else:
-        raise ValueError(f"`kernel` must be 'idw' or 'gaussian', got {kernel!r}.")
+        scale = check_positive("length_scale", length_scale, dtype)
+        return ft.partial(_gaussian_weights, length_scale=scale)
+    raise ValueError(f"`kernel` must be 'idw' or 'gaussian', got {kernel!r}.")
 
 
-def interpolate(
-    tree: "KDTree",
-    x: ArrayLike,
-    values: ArrayLike,
-    *,
-    k: int,
-    kernel: Kernel,
-    power: float,
-    length_scale,
+def weighted_mean(
+    weights: Float[Array, "*batch k"], rows: Float[Array, "..."]
 ) -> Float[Array, "..."]:
-    if tree.n == 0:
-        raise ValueError("Cannot interpolate from an empty tree (n = 0).")
-    k = check_static_int("k", k, 1)
-    check_kernel(kernel, power, length_scale)
-    values = _check_values(tree, values)
-    distances, indices = knn(tree, x, k, jnp.inf)
-    found = indices < tree.n
-    if kernel == "idw":
-        weights = idw_weights(distances, found, power)
-    else:
-        scale = jnp.asarray(length_scale, distances.dtype)
-        scale = eqx.error_if(scale, scale <= 0, "`length_scale` must be > 0.")
-        weights = gaussian_weights(distances, found, scale)
+    """`sum_j w_j rows_j / sum_j w_j` over the `k` axis of `rows`, shape
+    `(*batch, k, *feature)`: rows of missing neighbours must weigh 0."""
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return _weighted_sum(values, indices, weights)
-
-
-@split_like_queries
-def _weighted_sum(values, indices, weights):
-    """`sum_j weights[..., j] values[indices[..., j]]`; missing neighbours (index `n`)
-    must have weight 0."""
-    found = indices < values.shape[0]
-    neighbours = values[jnp.where(found, indices, 0)]  # (..., k, *feature)
-    feature_axes = (None,) * (values.ndim - 1)
-    return jnp.sum(weights[(..., *feature_axes)] * neighbours, axis=weights.ndim - 1)
+    feature_axes = (None,) * (rows.ndim - weights.ndim)
+    return jnp.sum(weights[(..., *feature_axes)] * rows, axis=weights.ndim - 1)
 
 
 class Interpolator(eqx.Module):
-    """A field interpolated from values at the points of a `KDTree`: a trainable layer.
+    """A field interpolated from values at the points of a tree: a trainable layer.
 
     `values` is an ordinary array leaf, so `eqx.filter_grad` and optax train it like
     any weight. Only `values` (and `length_scale`) should be trained: the tree's float
@@ -122,7 +91,7 @@ class Interpolator(eqx.Module):
     ```
     """
 
-    tree: "KDTree"
+    tree: "AbstractKDTree"
     values: Float[Array, "n ..."]
     length_scale: Float[Array, ""] | None
     k: int = eqx.field(static=True)
@@ -131,7 +100,7 @@ class Interpolator(eqx.Module):
 
     def __init__(
         self,
-        tree: "KDTree",
+        tree: "AbstractKDTree",
         values: ArrayLike,
         *,
         k: int = 8,
@@ -141,18 +110,18 @@ class Interpolator(eqx.Module):
     ):
         """**Arguments:**
 
-        - `tree`: a `kdeqx.KDTree` over `n` points.
+        - `tree`: a `kdeqx.KDTree` or `kdeqx.ShardedKDTree` over `n >= 1` points.
         - `values`: the field at the points, shape `(n, ...)`, rows in the order of
-            `tree.points`.
+            the tree's points.
         - `k`: neighbours used per query (static).
         - `kernel`: `"idw"` (inverse distance, weights `1/d**power`) or
             `"gaussian"` (weights `exp(-d**2 / (2 length_scale**2))`, smooth).
         - `power`: the IDW exponent (static float > 0).
         - `length_scale`: the Gaussian kernel's width (a trainable leaf).
         """
-        check_kernel(kernel, power, length_scale)
+        self.values = check_values(values, tree.n)
+        kernel_weights(kernel, power, length_scale, self.values.dtype)
         self.tree = tree
-        self.values = _check_values(tree, values)
         self.length_scale = (
             None
             if length_scale is None
@@ -164,8 +133,7 @@ class Interpolator(eqx.Module):
 
     def __call__(self, x: ArrayLike) -> Float[Array, "..."]:
         """Interpolates at `x` of shape `(..., d)`; returns `(..., *feature)`."""
-        return interpolate(
-            self.tree,
+        return self.tree.interpolate(
             x,
             self.values,
             k=self.k,

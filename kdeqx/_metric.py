@@ -7,73 +7,42 @@
 import jax.lax as lax
 import jax.numpy as jnp
 
+from ._backend import sum_by_additions, sum_nonnegative
 from ._custom_types import Array, Float
+
+
+def _on_periodic_axes(transform, x: Float[Array, "... d"], period):
+    """`transform(x, length)` on the periodic axes of `period`, `x` on the others."""
+    if period is None:
+        return x
+    periodic = period > 0
+    return jnp.where(periodic, transform(x, jnp.where(periodic, period, 1)), x)
+
+
+def _nearest_image(diff, length):
+    return diff - length * jnp.round(diff / length)
+
+
+def _into_box(x, length):
+    wrapped = x - length * jnp.floor(x / length)
+    # x slightly below 0 can round to exactly L: that is the image 0.
+    return jnp.where(wrapped >= length, wrapped - length, wrapped)
 
 
 def minimum_image(diff: Float[Array, "... d"], period) -> Float[Array, "... d"]:
     """Wraps coordinate differences to the nearest periodic image."""
-    if period is None:
-        return diff
-    periodic = period > 0
-    length = jnp.where(periodic, period, 1)
-    wrapped = diff - length * jnp.round(diff / length)
-    return jnp.where(periodic, wrapped, diff)
+    return _on_periodic_axes(_nearest_image, diff, period)
 
 
 def wrap_into_box(x: Float[Array, "... d"], period) -> Float[Array, "... d"]:
     """Maps coordinates into `[0, L)` on periodic axes (round-off included)."""
-    if period is None:
-        return x
-    periodic = period > 0
-    length = jnp.where(periodic, period, 1)
-    wrapped = x - length * jnp.floor(x / length)
-    # x slightly below 0 can round to exactly L: that is the image 0.
-    wrapped = jnp.where(wrapped >= length, wrapped - length, wrapped)
-    return jnp.where(periodic, wrapped, x)
-
-
-def sum_of_squares(values: Float[Array, "... d"], by_additions: bool = False):
-    """The sum of squares over the last axis.
-
-    With `by_additions`, summed by plain additions rather than a reduction. XLA:CPU
-    hands float reductions over at least 4096 elements to YNNPACK kernels, which cost
-    far more per call than the additions fused into their neighbours: the descent of
-    all queries to their nearest leaves ran ~1.5x faster by additions. Inside the lane
-    loop the reduction is faster.
-
-    Use it only where any answer is safe, as in choosing the leaf a walk starts from.
-    Leaf distances summed this way made XLA:CPU return wrong k-nearest neighbours
-    (d = 8, float32, in a vmapped walk): right with `--xla_disable_hlo_passes=algsimp`,
-    so a miscompile in XLA's algebraic simplifier, which the test suite caught.
-    """
-    squares = values * values
-    if not by_additions:
-        return jnp.sum(squares, axis=-1)
-    total = squares[..., 0]
-    for i in range(1, values.shape[-1]):
-        total = total + squares[..., i]
-    return total
+    return _on_periodic_axes(_into_box, x, period)
 
 
 def squared_distances(x: Float[Array, " d"], points: Float[Array, "m d"], period):
-    """The squared distances from `x` to each of `points`.
-
-    Summed by one reduction with two outputs, the sum and the largest square; their
-    maximum is the sum, bit for bit (a rounded sum of non-negative terms is never
-    below one of them). XLA:CPU hands a plain float sum to a YNNPACK kernel but keeps
-    this one in its own loop emitter, where kNN queries ran ~1.2x faster. (Plain
-    additions, the other way around YNNPACK, were miscompiled: see `sum_of_squares`.)
-    """
+    """The squared distances from `x` to each of `points`."""
     diff = minimum_image(points - x, period)
-    squares = diff * diff
-    zero = jnp.zeros((), squares.dtype)
-    total, largest = lax.reduce(
-        (squares, squares),
-        (zero, zero),
-        lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])),
-        (squares.ndim - 1,),
-    )
-    return jnp.maximum(total, largest)
+    return sum_nonnegative(diff * diff)
 
 
 def squared_distance_to_box(
@@ -84,7 +53,7 @@ def squared_distance_to_box(
     It is shrunk by a few ulps per dimension: a point on the box's nearest corner has
     the same exact distance, but the two sums may round differently (fused or not), and
     a bound one ulp too high would prune a tie that must be visited. `by_additions`
-    is as in `sum_of_squares`.
+    sums by plain additions (see `kdeqx._backend.sum_by_additions`).
     """
     gap = jnp.maximum(jnp.maximum(lo - x, x - hi), 0)
     if period is not None:
@@ -93,7 +62,9 @@ def squared_distance_to_box(
         above = jnp.maximum(lo - (x - period), 0) + jnp.maximum((x - period) - hi, 0)
         gap = jnp.where(period > 0, jnp.minimum(gap, jnp.minimum(below, above)), gap)
     slack = 4 * (x.shape[-1] + 2) * jnp.finfo(x.dtype).eps
-    return sum_of_squares(gap, by_additions) * (1 - slack)
+    squares = gap * gap
+    total = sum_by_additions(squares) if by_additions else jnp.sum(squares, axis=-1)
+    return total * (1 - slack)
 
 
 def safe_norm(diff: Float[Array, "... d"]) -> Float[Array, "..."]:

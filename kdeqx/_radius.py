@@ -5,11 +5,11 @@ from typing import TYPE_CHECKING
 import equinox as eqx
 import jax.numpy as jnp
 
-from ._custom_types import Array, ArrayLike, Bool, Float, Int
+from ._custom_types import Array, Bool, Float, Int
+from ._knn import merge_k_best
 from ._mesh import split_like_queries
-from ._query import FarQueries, found_distances, merge_k_best, prepare_queries
-from ._traverse import AbstractVisitor, search_radius2, walk_queries
-from ._validate import check_radius, check_static_int
+from ._search import found_distances, search
+from ._traverse import AbstractVisitor
 
 
 if TYPE_CHECKING:
@@ -60,71 +60,35 @@ class _BallNearest(AbstractVisitor):
         return best_d2, best_indices, count + jnp.sum(d2 <= self.r2, dtype=count.dtype)
 
 
-def _prepare_radius(tree: "KDTree", x, r):
-    x = prepare_queries(tree, x)
-    return x, check_radius(r, x.shape[:-1], x.dtype)
-
-
-def count_ball_point(tree: "KDTree", x: ArrayLike, r) -> Int[Array, "*batch"]:
-    x, r = _prepare_radius(tree, x, r)
-    return _count(tree, x, r)
+@eqx.filter_jit
+@split_like_queries
+def count_ball_point(
+    tree: "KDTree",
+    x: Float[Array, "*batch d"],
+    r: Float[Array, "*batch"] | Float[Array, ""],
+) -> Int[Array, "*batch"]:
+    """`tree.count_ball_point` on validated queries and radii."""
+    index_dtype = tree.leaf_indices.dtype
+    counts, far = search(tree, x, r, lambda r2: _BallCount(r2, index_dtype))
+    return jnp.where(far.beyond(far.distance <= r), 0, counts)
 
 
 @eqx.filter_jit
 @split_like_queries
-def _count(tree: "KDTree", x, r):
-    index_dtype = tree.leaf_indices.dtype
-    if tree.n == 0 or x.size == 0:
-        return jnp.zeros(x.shape[:-1], index_dtype)
-
-    counts = walk_queries(
-        tree,
-        x.reshape(-1, tree.d),
-        lambda ri: _BallCount(search_radius2(tree, ri), index_dtype),
-        r,
-    )
-    far = FarQueries(tree, x)
-    return jnp.where(far.beyond(far.distance <= r), 0, counts.reshape(x.shape[:-1]))
-
-
 def query_ball_point(
-    tree: "KDTree", x: ArrayLike, r, max_neighbors: int, raise_on_overflow: bool
-):
-    max_neighbors = check_static_int("max_neighbors", max_neighbors, 1)
-    x, r = _prepare_radius(tree, x, r)
-    distances, indices, counts = _collect(tree, x, r, max_neighbors)
-    if raise_on_overflow:
-        distances = eqx.error_if(
-            distances,
-            jnp.any(counts > max_neighbors),
-            f"query_ball_point: more than max_neighbors={max_neighbors} points lie "
-            "within `r` of a query; raise `max_neighbors` (see `counts`).",
-        )
-    return distances, indices, counts
-
-
-@eqx.filter_jit
-@split_like_queries
-def _collect(tree: "KDTree", x, r, k: int):
-    batch = x.shape[:-1]
+    tree: "KDTree",
+    x: Float[Array, "*batch d"],
+    r: Float[Array, "*batch"] | Float[Array, ""],
+    max_neighbors: int,
+) -> tuple[Float[Array, "*batch m"], Int[Array, "*batch m"], Int[Array, "*batch"]]:
+    """`tree.query_ball_point` on validated queries and radii."""
     index_dtype = tree.leaf_indices.dtype
-    if tree.n == 0 or x.size == 0:
-        indices = jnp.full((*batch, k), tree.n, index_dtype)
-        return (
-            jnp.full((*batch, k), jnp.inf, x.dtype),
-            indices,
-            jnp.zeros(batch, index_dtype),
-        )
-
-    d2, indices, counts = walk_queries(
-        tree,
-        x.reshape(-1, tree.d),
-        lambda ri: _BallNearest(k, search_radius2(tree, ri), index_dtype),
-        r,
+    states, far = search(
+        tree, x, r, lambda r2: _BallNearest(max_neighbors, r2, index_dtype)
     )
-    far = FarQueries(tree, x)
+    d2, indices, counts = states
     beyond = far.beyond(far.distance <= r)
-    empty = (indices == jnp.iinfo(index_dtype).max).reshape(*batch, k)
-    indices = jnp.where(empty | beyond[..., None], tree.n, indices.reshape(*batch, k))
-    distances = found_distances(tree, x, indices, d2.reshape(*batch, k), far)
-    return distances, indices, jnp.where(beyond, 0, counts.reshape(batch))
+    empty = indices == jnp.iinfo(index_dtype).max
+    indices = jnp.where(empty | beyond[..., None], tree.n, indices)
+    distances = found_distances(tree, x, indices, d2, far)
+    return distances, indices, jnp.where(beyond, 0, counts)

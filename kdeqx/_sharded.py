@@ -1,6 +1,7 @@
 """Points sharded over devices: one k-d tree per device, and exact merged answers."""
 
 import functools as ft
+from typing import ClassVar, Literal
 
 import equinox as eqx
 import jax
@@ -9,18 +10,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._custom_types import Array, ArrayLike, Float, Int
-from ._interpolate import check_kernel, gaussian_weights, idw_weights, Kernel
-from ._tree import KDTree
-from ._validate import (
-    as_float_array,
-    check_finite,
-    check_points_shape,
-    check_queries_shape,
-    check_radius,
-    check_static_int,
-    index_dtype_for,
-    is_concrete,
-)
+from ._tree import AbstractKDTree, check_leaf_size, check_points, KDTree
+from ._validate import as_period, index_dtype_for
 
 
 def _split_rows(rows: Array, num_shards: int) -> tuple[Array, Array]:
@@ -80,7 +71,7 @@ def _k_best(
     return distances, indices, jnp.take_along_axis(rows, position, axis=batch_ndim)
 
 
-class ShardedKDTree(eqx.Module):
+class ShardedKDTree(AbstractKDTree):
     """Exact k-d tree queries over points sharded across the devices of a mesh.
 
     With `S` devices along `axis_name`, the first `S q` points (`q = n // S`) are split
@@ -88,31 +79,34 @@ class ShardedKDTree(eqx.Module):
     own block; the `n - S q < S` points left over go into one small tree that every
     device holds. No point is padded or duplicated, so every answer is exact: a query
     runs on every device against its local tree, local row numbers are mapped to the
-    global numbering (block `s` starts at row `s q`), the `k` candidates per query of
-    every device are all-gathered, and each device keeps the `k` best by
-    `(distance, index)` out of the `S k + k` candidates. The result is the one a single
-    `KDTree` over all points returns (distances sorted, ties by lower index, missing
-    neighbours `(inf, n)`), and it is replicated over the mesh.
+    global numbering (block `s` starts at row `s q`), the candidates per query of every
+    device are all-gathered, and each device keeps the best by `(distance, index)`.
+    The result is the one a single `KDTree` over all points returns (distances sorted,
+    ties by lower index, missing neighbours `(inf, n)`), replicated over the mesh.
+    Every query method is `kdeqx.AbstractKDTree`'s.
 
     **Memory per device:** the local tree over `q = n // S` points (the `(q, d)` points
     plus search arrays of about `2 max(q, leaf_size)` slots, a few times `q d` in all),
     plus the left-over tree of fewer than `S` points, plus the queries, which every
     device needs in full: `Q d`, and `S Q k` gathered candidates during a query.
 
-    **Communication per query batch:** one all-gather of `Q k` (distance, index) pairs
-    from each device (`(S - 1) Q k` pairs received per device); `interpolate` also
-    carries each candidate's value row, `count_ball_point` is one all-reduce of `Q`
-    counts. The queries themselves are broadcast to all devices if they are not
-    already replicated. Building the trees moves each block of points to its device
-    once and nothing between devices after that.
-
-    Queries differentiate with respect to `x` and `values`, as with `KDTree`.
+    **Communication per query batch:** `query` and `query_ball_point` all-gather `Q k`
+    (distance, index) pairs from each device (`(S - 1) Q k` pairs received per device;
+    `k` is `max_neighbors` for `query_ball_point`); `interpolate` also carries each
+    candidate's value row, so no device ever needs all of `values`; counts (of
+    `count_ball_point` and `query_ball_point`) are one all-reduce of `Q` integers. The
+    queries themselves are broadcast to all devices if they are not already
+    replicated. Building the trees moves each block of points to its device once and
+    nothing between devices after that.
     """
 
     shards: KDTree | None
     leftover: KDTree
     mesh: Mesh = eqx.field(static=True)
     axis_name: str = eqx.field(static=True)
+
+    # Each device's tree checks its block of points and its copy of the queries.
+    checks_traced_inputs: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -144,13 +138,11 @@ class ShardedKDTree(eqx.Module):
                 f"`axis_name` {axis_name!r} is not an axis of the mesh, whose axes are "
                 f"{tuple(mesh.axis_names)}."
             )
-        points = as_float_array("points", points)
-        check_points_shape("points", points)
-        _reject_nonfinite("points", points)
-        if box is not None:
-            _reject_nonfinite("box", as_float_array("box", box))
+        points = check_points("points", points, traced=False)
+        leaf_size = check_leaf_size(leaf_size)
+        period = as_period(box, points.shape[1], points.dtype)
         self.shards, self.leftover = _build(
-            points, box, mesh=mesh, axis_name=axis_name, leaf_size=leaf_size
+            points, period, mesh=mesh, axis_name=axis_name, leaf_size=leaf_size
         )
         self.mesh = mesh
         self.axis_name = axis_name
@@ -175,141 +167,26 @@ class ShardedKDTree(eqx.Module):
         """Dimension of the points."""
         return self.leftover.d
 
-    def query(
-        self,
-        x: ArrayLike,
-        k: int = 1,
-        *,
-        distance_upper_bound: float | ArrayLike = jnp.inf,
-    ) -> tuple[Float[Array, "*batch k"], Int[Array, "*batch k"]]:
-        """Finds the `k` nearest points to each query, exactly as `KDTree.query`.
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The points' floating dtype."""
+        return self.leftover.dtype
 
-        **Arguments:**
-
-        - `x`: queries, shape `(d,)` or `(..., d)`. Must be finite.
-        - `k`: number of neighbours, a static Python int `>= 1`; `k > n` is allowed.
-        - `distance_upper_bound`: only points at distance strictly less than this are
-            returned (a scalar, or one value per query of shape `(...)`).
-
-        **Returns:**
-
-        `(distances, indices)`, each `(..., k)`, replicated over the mesh: sorted by
-        distance, ties by lower index, indices in the numbering of `points`, missing
-        neighbours `(inf, n)`.
-        """
-        k = check_static_int("k", k, 1)
-        x = self._prepare_queries(x)
-        bound = jnp.asarray(distance_upper_bound, x.dtype)
-        bound = jnp.broadcast_to(bound, x.shape[:-1])
-        distances, indices, _ = _nearest(self, x, bound, k, None)
+    def _knn(self, x, bound, k):
+        distances, indices, _, _ = _merged(self, x, bound, "knn", k, None)
         return distances, indices
 
-    def count_ball_point(
-        self, x: ArrayLike, r: float | ArrayLike
-    ) -> Int[Array, "*batch"]:
-        """Counts the points within distance `r` (inclusive) of each query.
+    def _count(self, x, r):
+        return _merged(self, x, r, "count", 0, None)[3]
 
-        The sum of the local trees' counts (one all-reduce of `Q` integers).
+    def _collect(self, x, r, max_neighbors):
+        distances, indices, _, counts = _merged(self, x, r, "ball", max_neighbors, None)
+        return distances, indices, counts
 
-        **Arguments:**
-
-        - `x`: queries, shape `(d,)` or `(..., d)`.
-        - `r`: radius, a scalar or one per query (shape `(...)`); finite and `>= 0`.
-
-        **Returns:**
-
-        Integer counts of shape `(...)`, replicated over the mesh.
-        """
-        x = self._prepare_queries(x)
-        return _count(self, x, check_radius(r, x.shape[:-1], x.dtype))
-
-    def interpolate(
-        self,
-        x: ArrayLike,
-        values: ArrayLike,
-        *,
-        k: int = 8,
-        power: float = 2.0,
-        kernel: Kernel = "idw",
-        length_scale: float | ArrayLike | None = None,
-    ) -> Float[Array, "..."]:
-        """Interpolates `values` at `x` from the `k` nearest points, as
-        `KDTree.interpolate`.
-
-        Each device looks up the value rows of its own candidates, which travel with
-        them through the all-gather, so no device ever needs all of `values`.
-
-        **Arguments:**
-
-        - `x`: queries, shape `(d,)` or `(..., d)`.
-        - `values`: the field at the points, shape `(n, ...)`, rows in the order of
-            `points`. Must be finite.
-        - `k`: neighbours per query (static Python int `>= 1`).
-        - `power`: inverse-distance exponent (`kernel="idw"`), `> 0`.
-        - `kernel`: `"idw"` (default) or `"gaussian"`.
-        - `length_scale`: the Gaussian kernel's width, required for it, `> 0`.
-
-        **Returns:**
-
-        The weighted mean of the neighbours' values, shape `(..., *values.shape[1:])`,
-        replicated over the mesh.
-        """
-        if self.n == 0:
-            raise ValueError("Cannot interpolate from an empty tree (n = 0).")
-        k = check_static_int("k", k, 1)
-        check_kernel(kernel, power, length_scale)
-        values = as_float_array("values", values)
-        if values.ndim < 1 or values.shape[0] != self.n:
-            raise ValueError(
-                f"`values` must have one row per point, shape ({self.n}, ...), got "
-                f"shape {tuple(values.shape)}."
-            )
-        _reject_nonfinite("values", values)
-        x = self._prepare_queries(x)
-        bound = jnp.full(x.shape[:-1], jnp.inf, x.dtype)
-        distances, indices, rows = _nearest(self, x, bound, k, values)
-        assert rows is not None
-        found = indices < self.n
-        if kernel == "idw":
-            weights = idw_weights(distances, found, power)
-        else:
-            scale = _positive_length_scale(length_scale, distances.dtype)
-            weights = gaussian_weights(distances, found, scale)
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        feature_axes = (None,) * (values.ndim - 1)
-        field = jnp.sum(weights[(..., *feature_axes)] * rows, axis=weights.ndim - 1)
-        if is_concrete(values):
-            return field
-        # On the (small, replicated) result: `eqx.error_if` on `values` itself would
-        # gather all of them onto every device.
-        all_finite = jnp.all(jnp.isfinite(values))
-        return eqx.error_if(field, ~all_finite, "`values` must be finite (no NaN/inf).")
-
-    def _prepare_queries(self, x: ArrayLike) -> Float[Array, "*batch d"]:
-        x = as_float_array("x", x, dtype=self.leftover.points.dtype)
-        check_queries_shape("x", x, self.d)
-        _reject_nonfinite("x", x)
-        return x
-
-
-def _reject_nonfinite(name: str, array: Array) -> None:
-    """Raises `ValueError` if a concrete `array` holds NaN or inf.
-
-    The test is reduced where the array lives, so a sharded array is not copied to
-    the host (and one spread over several hosts still works). Traced arrays are checked
-    at run time by each device's own tree, on its own block of points and the queries.
-    """
-    if is_concrete(array) and not bool(jnp.all(jnp.isfinite(array))):
-        check_finite(name, array)  # raises, naming the first bad entry
-
-
-def _positive_length_scale(length_scale, dtype) -> Float[Array, ""]:
-    scale = jnp.asarray(length_scale, dtype)
-    if is_concrete(scale):
-        if not scale > 0:
-            raise ValueError(f"`length_scale` must be > 0, got {scale}.")
-        return scale
-    return eqx.error_if(scale, scale <= 0, "`length_scale` must be > 0.")
+    def _knn_rows(self, x, k, values):
+        bound = jnp.asarray(jnp.inf, x.dtype)
+        distances, indices, rows, _ = _merged(self, x, bound, "knn", k, values)
+        return distances, indices, rows
 
 
 def _local_tree(block: KDTree) -> KDTree:
@@ -342,7 +219,7 @@ def _on_mesh(fn, mesh: Mesh, in_specs: tuple, out_specs):
 @eqx.filter_jit
 def _build(
     points: Float[Array, "n d"],
-    box,
+    period: Float[Array, " d"] | None,
     *,
     mesh: Mesh,
     axis_name: str,
@@ -352,30 +229,48 @@ def _build(
     (replicated)."""
     blocks, rest = _split_rows(points, mesh.shape[axis_name])
     replicate = ft.partial(jax.device_put, device=NamedSharding(mesh, PartitionSpec()))
-    leftover = replicate(KDTree(replicate(rest), box=box, leaf_size=leaf_size))
+    leftover = replicate(KDTree(replicate(rest), box=period, leaf_size=leaf_size))
     if blocks.shape[1] == 0:
         return None, leftover
 
-    def build_on_device(block, box):
-        local = KDTree(block[0], box=box, leaf_size=leaf_size)
+    def build_on_device(block, period):
+        local = KDTree(block[0], box=period, leaf_size=leaf_size)
         return jax.tree.map(lambda a: a[None], local)
 
     sharded, replicated = PartitionSpec(axis_name), PartitionSpec()
     shards = _on_mesh(build_on_device, mesh, (sharded, replicated), sharded)(
-        blocks, box
+        blocks, period
     )
     return shards, leftover
 
 
+_Kind = Literal["knn", "count", "ball"]
+
+
+def _local_answer(tree: KDTree, kind: _Kind, x, threshold, k: int):
+    """One tree's `(distances, indices, counts)` for a query kind, `None` where the
+    kind has none."""
+    if kind == "knn":
+        return (*tree._knn(x, threshold, k), None)
+    if kind == "count":
+        return None, None, tree._count(x, threshold)
+    return tree._collect(x, threshold, k)
+
+
 @eqx.filter_jit
-def _nearest(
+def _merged(
     tree: ShardedKDTree,
     x: Float[Array, "*batch d"],
-    bound: Float[Array, "*batch"],
+    threshold: Float[Array, "*batch"] | Float[Array, ""],
+    kind: _Kind,
     k: int,
     values: Float[Array, "n ..."] | None,
-) -> tuple[Float[Array, "*batch k"], Int[Array, "*batch k"], Array | None]:
-    """The exact `k` nearest of all points, and their rows of `values` if given."""
+):
+    """Every tree's answer to a query kind, merged: the `k` best candidates of all
+    trees (with their rows of `values`, if given) and the sum of their counts.
+
+    Returns `(distances, indices, rows, counts)`, `None` where the kind has none.
+    """
     n, per_shard = tree.n, tree.per_shard
     leftover_start = tree.num_shards * per_shard
     index_dtype = index_dtype_for(n)
@@ -385,67 +280,61 @@ def _nearest(
     else:
         value_blocks, value_rest = _split_rows(values, tree.num_shards)
 
-    def on_device(shards, leftover, x, bound, value_blocks, value_rest):
-        distances, indices, rows = [], [], []
+    def in_global_numbering(distances, local_indices, local_n, offset, value_rows):
+        """One tree's candidates: global indices, and their rows of `values`."""
+        indices = _to_global(local_indices, local_n, offset, n, index_dtype)
+        rows = None if value_rows is None else _rows_at(value_rows, local_indices)
+        return distances, indices, rows
+
+    def on_device(shards, leftover, x, threshold, value_blocks, value_rest):
+        candidates, counts = [], []
         if shards is not None:
-            local = _local_tree(shards)
-            d_local, i_local = local.query(x, k, distance_upper_bound=bound)
-            # In the global index dtype: `s q` may not fit in 32 bits.
-            offset = lax.axis_index(tree.axis_name).astype(index_dtype) * per_shard
-            candidates = (
-                d_local,
-                _to_global(i_local, per_shard, offset, n, index_dtype),
-                None if value_blocks is None else _rows_at(value_blocks[0], i_local),
+            distances, indices, local_counts = _local_answer(
+                _local_tree(shards), kind, x, threshold, k
             )
-            gathered = lax.all_gather(candidates, tree.axis_name)
-            gathered = jax.tree.map(lambda a: _candidates_last(a, batch_ndim), gathered)
-            distances.append(gathered[0])
-            indices.append(gathered[1])
-            rows.append(gathered[2])
+            if local_counts is not None:
+                local_counts = local_counts.astype(index_dtype)
+                counts.append(lax.psum(local_counts, tree.axis_name))
+            if distances is not None:
+                # In the global index dtype: `s q` may not fit in 32 bits.
+                offset = lax.axis_index(tree.axis_name).astype(index_dtype) * per_shard
+                block = None if value_blocks is None else value_blocks[0]
+                local = in_global_numbering(
+                    distances, indices, per_shard, offset, block
+                )
+                gathered = lax.all_gather(local, tree.axis_name)
+                candidates.append(
+                    jax.tree.map(lambda a: _candidates_last(a, batch_ndim), gathered)
+                )
         if leftover.n > 0:
-            d_rest, i_rest = leftover.query(x, k, distance_upper_bound=bound)
-            distances.append(d_rest)
-            indices.append(
-                _to_global(i_rest, leftover.n, leftover_start, n, index_dtype)
+            distances, indices, rest_counts = _local_answer(
+                leftover, kind, x, threshold, k
             )
-            rows.append(None if value_rest is None else _rows_at(value_rest, i_rest))
-        if not distances:  # n = 0: only sentinels
+            if rest_counts is not None:
+                counts.append(rest_counts.astype(index_dtype))
+            if distances is not None:
+                candidates.append(
+                    in_global_numbering(
+                        distances, indices, leftover.n, leftover_start, value_rest
+                    )
+                )
+        total = sum(counts, start=jnp.zeros(x.shape[:-1], index_dtype))
+        if kind == "count":
+            return None, None, None, total
+        if not candidates:  # n = 0: only sentinels
             missing = jnp.full((*x.shape[:-1], k), jnp.inf, x.dtype)
-            return missing, jnp.full(missing.shape, n, index_dtype), None
-        return _k_best(
+            return missing, jnp.full(missing.shape, n, index_dtype), None, total
+        distances, indices, rows = zip(*candidates, strict=True)
+        best = _k_best(
             jnp.concatenate(distances, axis=-1),
             jnp.concatenate(indices, axis=-1),
-            None if value_blocks is None else jnp.concatenate(rows, axis=batch_ndim),
+            None if values is None else jnp.concatenate(rows, axis=batch_ndim),
             k,
         )
+        return *best, (None if kind == "knn" else total)
 
     sharded, replicated = PartitionSpec(tree.axis_name), PartitionSpec()
     in_specs = (sharded, replicated, replicated, replicated, sharded, replicated)
     return _on_mesh(on_device, tree.mesh, in_specs, replicated)(
-        tree.shards, tree.leftover, x, bound, value_blocks, value_rest
-    )
-
-
-@eqx.filter_jit
-def _count(
-    tree: ShardedKDTree,
-    x: Float[Array, "*batch d"],
-    r: Float[Array, "*batch"] | Float[Array, ""],
-) -> Int[Array, "*batch"]:
-    """The sum of every tree's count."""
-    index_dtype = index_dtype_for(tree.n)
-
-    def on_device(shards, leftover, x, r):
-        counts = jnp.zeros(x.shape[:-1], index_dtype)
-        if shards is not None:
-            local = _local_tree(shards).count_ball_point(x, r).astype(index_dtype)
-            counts = counts + lax.psum(local, tree.axis_name)
-        if leftover.n > 0:
-            counts = counts + leftover.count_ball_point(x, r).astype(index_dtype)
-        return counts
-
-    sharded, replicated = PartitionSpec(tree.axis_name), PartitionSpec()
-    in_specs = (sharded, replicated, replicated, replicated)
-    return _on_mesh(on_device, tree.mesh, in_specs, replicated)(
-        tree.shards, tree.leftover, x, r
+        tree.shards, tree.leftover, x, threshold, value_blocks, value_rest
     )

@@ -8,8 +8,10 @@ whether the walk came down from the parent or up from a child, and which child i
 Many queries are walked by a fixed set of lanes (`walk_many`). A vmapped loop costs its
 slowest lane, so a lane whose query is finished takes its next one at once, instead of
 idling until the whole batch is done. Queries are sorted along a Morton curve and dealt
-out in turn (lane `l` walks queries `l`, `l + LANES`, ...), so the lanes at work at any
+out in turn (lane `l` walks queries `l`, `l + lanes`, ...), so the lanes at work at any
 time walk nearby parts of the tree, and each lane's share averages over the curve.
+How many lanes, and how many steps a lane may take between two leaf visits, is backend
+tuning (`kdeqx._backend.lane_count`).
 """
 
 import abc
@@ -21,20 +23,14 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 
+from ._backend import argsort_keys, gather_clamped, lane_count, MAX_STEPS
 from ._custom_types import Array, Bool, Float, Int, PyTree, UInt
 from ._metric import squared_distance_to_box, squared_distances, wrap_into_box
-from ._sort import argsort_keys
 
 
 if TYPE_CHECKING:
     from ._tree import KDTree
 
-
-# Measured on a 2-core CPU (n = 1e6, Q = 1e5, k = 8, leaf 32): 1024 lanes moving at
-# most 16 nodes between two leaf visits took 0.65 s, against 0.78-0.94 s for 512
-# lanes or caps of 8, 12 and 24, and 1.3 s for fixed chunks of 1024 queries.
-LANES = 1024
-MAX_STEPS = 16
 
 # A lane with no query left.
 _IDLE = -2
@@ -73,27 +69,6 @@ class AbstractVisitor(eqx.Module):
         A leaf that `should_visit` would prune may be visited too (a walk starts at
         its nearest leaf): its points must then leave the state as it is.
         """
-
-
-def _at(array: Array, index: Int[Array, "..."]) -> Array:
-    """`array[index]` along the first axis, with the index clamped into range.
-
-    Lanes compute moves they then discard (a lane at a leaf has no children), so an
-    index may lie outside the array; clamping keeps that well defined, and traces to
-    one gather, where `array[index]` adds the wrapping of negative indices.
-    """
-    return array.at[index].get(mode="clip", wrap_negative_indices=False)
-
-
-def search_radius2(tree, r: Float[Array, "*batch"]) -> Float[Array, "*batch"]:
-    """A distance `r` as a squared distance in the tree's scaled search coordinates.
-
-    A square that overflows becomes the largest finite float, not `inf`: every real
-    point's squared distance is finite (see `far_limit`), and leaf padding, at `inf`,
-    must stay outside every ball.
-    """
-    scaled = r * lax.stop_gradient(tree.scale)
-    return jnp.minimum(scaled * scaled, jnp.finfo(scaled.dtype).max)
 
 
 def far_limit(dtype, d: int) -> float:
@@ -143,8 +118,8 @@ class _Steps(eqx.Module):
         d2_left, d2_right = (
             squared_distance_to_box(
                 x,
-                _at(tree.node_lo, child),
-                _at(tree.node_hi, child),
+                gather_clamped(tree.node_lo, child),
+                gather_clamped(tree.node_hi, child),
                 self.period,
                 by_additions,
             )
@@ -175,8 +150,10 @@ class _Steps(eqx.Module):
         min_index = self.tree.node_min_index
         parent = (node - 1) >> 1  # the root's parent is -1: the walk is over
         near, far, near_d2, far_d2 = self.children(x, node)
-        visit_near = visitor.should_visit(state, near_d2, _at(min_index, near))
-        visit_far = visitor.should_visit(state, far_d2, _at(min_index, far))
+        visit_near = visitor.should_visit(
+            state, near_d2, gather_clamped(min_index, near)
+        )
+        visit_far = visitor.should_visit(state, far_d2, gather_clamped(min_index, far))
         after_parent = jnp.where(visit_near, near, jnp.where(visit_far, far, parent))
         after_near = jnp.where(visit_far, far, parent)
         following = jnp.where(
@@ -208,7 +185,7 @@ def walk(tree, x: Float[Array, " d"], visitor: AbstractVisitor) -> _State:
     """Runs `visitor` over every leaf it does not prune, nearest subtrees first.
 
     The visitor sees squared distances in the tree's search coordinates, which are
-    scaled by `tree.scale`: express its thresholds with `search_radius2`.
+    scaled by `tree.scale`: express its thresholds with `kdeqx._search.search_radius2`.
     """
     steps = _Steps(tree)
     x = steps.search_point(x)
@@ -251,7 +228,7 @@ def morton_codes(
 
 
 def _rows(tree: PyTree, rows: Int[Array, "..."]) -> PyTree:
-    return jax.tree.map(lambda a: _at(a, rows), tree)
+    return jax.tree.map(lambda a: gather_clamped(a, rows), tree)
 
 
 def walk_many(
@@ -270,11 +247,6 @@ def walk_many(
     **Returns:** the visitors' final states, batched along the queries.
     """
     q = x.shape[0]
-    if q <= LANES:
-        return jax.vmap(walk, in_axes=(None, 0, visitor_axis))(tree, x, visitors)
-    steps = _Steps(tree)
-    move = jax.vmap(steps.move, in_axes=(0, visitor_axis, 0, 0, 0))
-    visit = jax.vmap(steps.visit, in_axes=(0, visitor_axis, 0, 0))
     index_dtype = tree.leaf_indices.dtype
 
     def visitors_at(positions):
@@ -289,6 +261,16 @@ def walk_many(
                 visitors.init(),
             )
         return jax.vmap(lambda v: v.init())(visitors_at(positions))
+
+    one_state = jax.eval_shape(init, jnp.zeros((1,), index_dtype))
+    lanes = lane_count(
+        sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(one_state))
+    )
+    if q <= lanes:
+        return jax.vmap(walk, in_axes=(None, 0, visitor_axis))(tree, x, visitors)
+    steps = _Steps(tree)
+    move = jax.vmap(steps.move, in_axes=(0, visitor_axis, 0, 0, 0))
+    visit = jax.vmap(steps.visit, in_axes=(0, visitor_axis, 0, 0))
 
     def advance(x, visitor, state, node, previous):
         """Moves every lane `MAX_STEPS` steps towards its next leaf (lanes that reach
@@ -318,7 +300,7 @@ def walk_many(
         or go idle when they have none left."""
         node = jnp.where(
             finished,
-            jnp.where(position < q, _at(first_node, position), _IDLE),
+            jnp.where(position < q, gather_clamped(first_node, position), _IDLE),
             node,
         )
         fresh = init(position)
@@ -336,29 +318,20 @@ def walk_many(
         previous = jnp.where(node >= steps.first_leaf, node, previous)
         node, previous = advance(xl, visitor, state, node_after, previous)
         finished = node == -1
-        row = jnp.where(finished, _at(order, position), q)  # q: dropped
+        row = jnp.where(finished, gather_clamped(order, position), q)  # q: dropped
         out = jax.tree.map(lambda o, s: o.at[row].set(s, mode="drop"), out, state)
-        position = jnp.where(finished, position + LANES, position)
+        position = jnp.where(finished, position + lanes, position)
         node, state = take_next(position, finished, node, state)
         return position, node, previous, state, out
 
-    lane = jnp.arange(LANES, dtype=index_dtype)
+    lane = jnp.arange(lanes, dtype=index_dtype)
     carry = (
         lane,
-        first_node[:LANES],
-        jnp.full(LANES, -1, index_dtype),
+        first_node[:lanes],
+        jnp.full(lanes, -1, index_dtype),
         init(lane),
         init(
             jnp.arange(q, dtype=index_dtype)
         ),  # the answers by input row; every row is written once
     )
     return lax.while_loop(lambda c: jnp.min(c[0]) < q, step, carry)[-1]
-
-
-def walk_queries(tree, x: Float[Array, "q d"], make_visitor, parameter) -> _State:
-    """`walk_many` with the visitors `make_visitor(p)` for the queries' parameters:
-    one visitor for all queries when `parameter` is a scalar, else one per query
-    (`parameter` then has `q` entries)."""
-    if jnp.ndim(parameter) == 0:
-        return walk_many(tree, x, make_visitor(parameter), visitor_axis=None)
-    return walk_many(tree, x, jax.vmap(make_visitor)(parameter.reshape(-1)))

@@ -6,7 +6,8 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from ._custom_types import Array, ArrayLike
+from ._backend import all_finite
+from ._custom_types import Array, ArrayLike, Float
 
 
 def as_float_array(name: str, value: ArrayLike, dtype=None) -> Array:
@@ -34,15 +35,21 @@ def is_concrete(array: Array) -> bool:
     return not isinstance(array, jax.core.Tracer)
 
 
-def check_finite(name: str, array: Array) -> Array:
+def check_finite(name: str, array: Array, *, traced: bool = True) -> Array:
     """Rejects NaN and inf: eagerly with `ValueError`, under `jit` via `eqx.error_if`.
 
     Returns `array` (under `jit`, the returned array carries the runtime check, so use
-    it in place of the input).
+    it in place of the input). Either way the test is reduced where the array lives,
+    so a sharded array is neither copied to the host nor gathered onto one device.
+    With `traced=False` a traced array is returned unchecked, for callers that check
+    it where it is used (a sharded tree: each device, on its own block, without the
+    all-reduce that a check of the whole array would be).
     """
+    if not is_concrete(array) and not traced:
+        return array
     if is_concrete(array):
-        bad = ~np.isfinite(np.asarray(array))
-        if bad.any():
+        if not bool(all_finite(array)):
+            bad = ~np.isfinite(np.asarray(array))
             first = tuple(int(i) for i in np.argwhere(bad)[0])
             raise ValueError(
                 f"`{name}` must be finite, but holds {int(bad.sum())} NaN/inf "
@@ -52,12 +59,9 @@ def check_finite(name: str, array: Array) -> Array:
     # The check raises on a scalar tied back to the array, not on the array itself:
     # `error_if` on a sharded array would replicate it (its error branch is a host
     # callback shaped like the array) and so all-gather sharded queries.
-    # `a - a` is 0 where `a` is finite and NaN at NaN and +-inf: one sum tests all
-    # entries, in one kernel (`isfinite` then `all` is three on XLA:CPU).
-    all_finite = jnp.isfinite(jnp.sum(array - array))
     token = eqx.error_if(
         jnp.zeros((), array.dtype),
-        ~all_finite,
+        ~all_finite(array),
         f"`{name}` must be finite (no NaN/inf).",
     )
     return array + token
@@ -125,3 +129,39 @@ def check_radius(r, batch: tuple[int, ...], dtype) -> Array:
             f"shape {tuple(r.shape)}."
         )
     return check_nonnegative("r", r)
+
+
+def check_positive(name: str, value, dtype) -> Float[Array, ""]:
+    """A scalar `> 0`: eagerly `ValueError`, under `jit` via `eqx.error_if`."""
+    value = jnp.asarray(value, dtype)
+    if value.ndim != 0:
+        raise ValueError(f"`{name}` must be a scalar, got shape {value.shape}.")
+    if is_concrete(value):
+        if not value > 0:
+            raise ValueError(f"`{name}` must be > 0, got {value}.")
+        return value
+    return eqx.error_if(value, value <= 0, f"`{name}` must be > 0.")
+
+
+def check_values(values: ArrayLike, n: int) -> Float[Array, "n ..."]:
+    """Values given at the `n` points: shape `(n, ...)`, real and finite."""
+    values = as_float_array("values", values)
+    if values.ndim < 1 or values.shape[0] != n:
+        raise ValueError(
+            f"`values` must have one row per point, shape ({n}, ...), got shape "
+            f"{tuple(values.shape)}."
+        )
+    return check_finite("values", values)
+
+
+def as_period(box, d: int, dtype) -> Float[Array, " d"] | None:
+    """scipy's `boxsize` as `(d,)` lengths (`<= 0`: not periodic), or `None`."""
+    if box is None:
+        return None
+    period = as_float_array("box", box, dtype=dtype)
+    if period.ndim > 1 or period.shape not in ((), (d,)):
+        raise ValueError(
+            f"`box` must be a scalar or have shape ({d},) to match the points, "
+            f"got shape {tuple(period.shape)}."
+        )
+    return check_finite("box", jnp.broadcast_to(period, (d,)))

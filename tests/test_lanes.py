@@ -14,7 +14,7 @@ import pytest
 from scipy.spatial import cKDTree
 
 import kdeqx
-from kdeqx._traverse import LANES
+from kdeqx._backend import CPU_LANES as LANES
 
 from .helpers import assert_knn_correct, clustered, DTYPES, lattice, lattice_queries
 

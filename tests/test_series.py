@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kdeqx
-from kdeqx._taylor import taylor_coefficients
+from kdeqx.series._taylor import taylor_coefficients
 
 from .helpers import count_equations
 

@@ -1,0 +1,257 @@
+"""Backend tuning: every trick that makes the build or a query faster on one backend,
+each beside the plain JAX it stands for.
+
+A trick and its `*_reference` give the same answers (bit for bit, unless a docstring
+says otherwise); `tests/test_backend.py` checks each pair against each other, so the
+rest of the library may use either and means the same thing. The tricks are correct
+on every backend; only the lane count and the step cap are chosen per backend.
+
+Unless noted, measurements are from XLA:CPU on a 2-core x86-64 box (jax 0.10.2,
+float32, 3-D, n = 1e6, Q = 1e5, k = 8): see `benchmarks/RESULTS.md`.
+"""
+
+import functools as ft
+import importlib
+import operator
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+
+from ._custom_types import Array, Bool, Float, Int, UInt
+
+
+# ---------------------------------------------------------------------------------
+# Lanes: how many queries the traversal engine walks at once.
+
+# XLA:CPU: 1024 lanes moving at most 16 nodes between two leaf visits took 0.65 s,
+# against 0.78-0.94 s for 512 lanes or caps of 8, 12 and 24, and 1.3 s for fixed
+# chunks of 1024 queries.
+CPU_LANES = 1024
+MAX_STEPS = 16
+
+# GPUs and TPUs: enough lanes to fill the device (an H200 keeps ~270k threads in
+# flight), as long as the lanes' states fit in this much memory. Not yet measured.
+_ACCELERATOR_MAX_LANES = 2**20
+_ACCELERATOR_STATE_BYTES = 2**30
+
+
+def lane_count(state_bytes: int, backend: str | None = None) -> int:
+    """The number of lanes for a walk whose per-query state takes `state_bytes`.
+
+    On the CPU a few lanes (cache-sized); elsewhere as many as fit the memory cap, a
+    power of two `>= CPU_LANES`. `backend` defaults to `jax.default_backend()`, the
+    backend that programs are compiled for unless arrays are placed elsewhere.
+    """
+    backend = jax.default_backend() if backend is None else backend
+    if backend == "cpu":
+        return CPU_LANES
+    fit = _ACCELERATOR_STATE_BYTES // max(1, state_bytes)
+    return max(CPU_LANES, min(_ACCELERATOR_MAX_LANES, 1 << (fit.bit_length() - 1)))
+
+
+# ---------------------------------------------------------------------------------
+# Sorting: one sort of packed 64-bit integers.
+#
+# XLA:CPU sorts a single integer array about 6x faster than a (key, index) pair, which
+# is what `jnp.argsort` sorts: 80 ms against 500 ms for 2**20 entries.
+
+
+def enable_x64_locally():
+    """A context in which 64-bit types exist, whatever the user's x64 setting."""
+    # `jax.enable_x64` in recent JAX, `jax.experimental.enable_x64` before.
+    context = getattr(jax, "enable_x64", None)
+    if context is None:
+        context = getattr(importlib.import_module("jax.experimental"), "enable_x64")
+    return context(True)
+
+
+def float32_sort_keys(values: Float[Array, "*shape"]) -> UInt[Array, "*shape"]:
+    """uint32 keys whose unsigned order is the order of `values` rounded to float32."""
+    values = jnp.where(values == 0, 0, values).astype(jnp.float32)  # -0 sorts as +0
+    bits = lax.bitcast_convert_type(values, jnp.uint32)
+    negative = (bits >> 31).astype(bool)
+    return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def argsort_keys(keys: UInt[Array, " m"]) -> Int[Array, " m"] | UInt[Array, " m"]:
+    """A stable argsort of uint32 `keys` (ties by position): a 32-bit key and a 32-bit
+    position packed into one uint64 and sorted together."""
+    m = keys.shape[0]
+    if m > 2**32:  # positions would not fit in 32 bits
+        return argsort_keys_reference(keys)
+    position = jnp.arange(m, dtype=jnp.uint32)
+    with enable_x64_locally():
+        packed = keys.astype(jnp.uint64) << 32 | position.astype(jnp.uint64)
+        return jnp.sort(packed).astype(jnp.uint32)
+
+
+def argsort_keys_reference(keys: UInt[Array, " m"]) -> Int[Array, " m"]:
+    return jnp.argsort(keys, stable=True)
+
+
+# ---------------------------------------------------------------------------------
+# Comparing (squared distance, index) pairs.
+
+
+def lexicographic_less(d2_a, index_a, d2_b, index_b):
+    """`(d2_a, index_a) < (d2_b, index_b)`: distance first, then the lower index."""
+    return (d2_a < d2_b) | ((d2_a == d2_b) & (index_a < index_b))
+
+
+def pairs_before(
+    d2_a: Float[Array, " a"],
+    index_a: Int[Array, " a"],
+    d2_b: Float[Array, " b"],
+    index_b: Int[Array, " b"],
+) -> Bool[Array, "b a"]:
+    """`[i, j]`: whether pair `j` of `a` comes before pair `i` of `b`.
+
+    For squared distances `>= 0` and indices `>= -1`. With 32-bit distances and
+    indices, each pair is ordered by one comparison of uint64 keys rather than the five
+    of the lexicographic order (kNN queries ran ~1.1x faster). Written in `lax` alone:
+    inside the local x64 context each `jax.numpy` function would be traced afresh,
+    which added ~0.1 s to a query's first call.
+    """
+    if d2_a.dtype.itemsize != 4 or index_a.dtype.itemsize != 4:
+        return pairs_before_reference(d2_a, index_a, d2_b, index_b)
+    shape = (d2_b.shape[0], d2_a.shape[0])
+    with enable_x64_locally():
+        keys_a = lax.broadcast_in_dim(_packed_keys(d2_a, index_a), shape, (1,))
+        keys_b = lax.broadcast_in_dim(_packed_keys(d2_b, index_b), shape, (0,))
+        return lax.lt(keys_a, keys_b)
+
+
+def pairs_before_reference(d2_a, index_a, d2_b, index_b) -> Bool[Array, "b a"]:
+    return lexicographic_less(
+        d2_a[None, :], index_a[None, :], d2_b[:, None], index_b[:, None]
+    )
+
+
+def _packed_keys(d2, indices):
+    """uint64 keys in the order of `(d2, index)`: the bits of `d2 >= 0` above, and
+    `index + 1` below (so an index of -1 sorts first)."""
+    high = lax.bitcast_convert_type(d2, jnp.uint32)
+    low = lax.add(lax.bitcast_convert_type(indices, jnp.uint32), jnp.uint32(1))
+    high, low = (lax.convert_element_type(half, jnp.uint64) for half in (high, low))
+    return lax.bitwise_or(lax.shift_left(high, jnp.uint64(32)), low)
+
+
+# ---------------------------------------------------------------------------------
+# Reductions that XLA:CPU would hand to YNNPACK.
+#
+# XLA:CPU hands float reductions over at least 4096 elements to YNNPACK kernels, which
+# cost far more per call, inside a loop, than work fused into its neighbours.
+
+
+def pick_one_hot(
+    sources: tuple[tuple[Bool[Array, "k _"], Array], ...],
+) -> Array:
+    """`sum_s sum_j where(mask_s[:, j], values_s[j], 0)` for one-hot rows, which
+    pick one entry of one source per output slot.
+
+    Floats are picked as their bits: a float sum went to a YNNPACK kernel, which made
+    the whole kNN query ~1.2x slower.
+    """
+    dtype = sources[0][1].dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return pick_one_hot_reference(sources)
+    bits = jnp.dtype(f"int{8 * dtype.itemsize}")
+    as_bits = tuple(
+        (mask, lax.bitcast_convert_type(values, bits)) for mask, values in sources
+    )
+    return lax.bitcast_convert_type(pick_one_hot_reference(as_bits), dtype)
+
+
+def pick_one_hot_reference(sources) -> Array:
+    picks = [
+        jnp.sum(jnp.where(mask, values[None, :], 0), axis=1, dtype=values.dtype)
+        for mask, values in sources
+    ]
+    return ft.reduce(operator.add, picks)
+
+
+def sum_nonnegative(terms: Float[Array, "... d"]) -> Float[Array, "..."]:
+    """The sum over the last axis of non-negative `terms`, by one reduction with two
+    outputs, the sum and the largest term; their maximum is the sum, bit for bit (a
+    rounded sum of non-negative terms is never below one of them).
+
+    XLA:CPU keeps this reduction in its own loop emitter, where kNN queries ran ~1.2x
+    faster. (Plain additions, the other way around YNNPACK, were miscompiled: see
+    `sum_by_additions`.)
+    """
+    zero = jnp.zeros((), terms.dtype)
+    total, largest = lax.reduce(
+        (terms, terms),
+        (zero, zero),
+        lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])),
+        (terms.ndim - 1,),
+    )
+    return jnp.maximum(total, largest)
+
+
+def sum_nonnegative_reference(terms: Float[Array, "... d"]) -> Float[Array, "..."]:
+    return jnp.sum(terms, axis=-1)
+
+
+def sum_by_additions(terms: Float[Array, "... d"]) -> Float[Array, "..."]:
+    """The sum over the last axis by plain additions, in order (rounding may differ
+    from a reduction's in the last bit).
+
+    The descent of all queries to their nearest leaves ran ~1.5x faster so. Use it
+    only where any answer is safe, as in choosing the leaf a walk starts from: leaf
+    distances summed this way made XLA:CPU return wrong k-nearest neighbours (d = 8,
+    float32, in a vmapped walk): right with `--xla_disable_hlo_passes=algsimp`, so a
+    miscompile in XLA's algebraic simplifier, which the test suite caught.
+    """
+    total = terms[..., 0]
+    for i in range(1, terms.shape[-1]):
+        total = total + terms[..., i]
+    return total
+
+
+def all_finite(array: Array) -> Bool[Array, ""]:
+    """Whether every entry is finite: `a - a` is 0 where `a` is finite and NaN at NaN
+    and +-inf, so one sum tests all entries, in one kernel (`isfinite` then `all` is
+    three on XLA:CPU)."""
+    return jnp.isfinite(jnp.sum(array - array))
+
+
+def all_finite_reference(array: Array) -> Bool[Array, ""]:
+    return jnp.all(jnp.isfinite(array))
+
+
+# ---------------------------------------------------------------------------------
+# Scatters.
+
+
+def move_rows(orders: Int[Array, "d m"], destination: Int[Array, "d m"]):
+    """`orders[j]` with entry `i` moved to `destination[j, i]` (a permutation of each
+    row): one flat scatter, 1.5-3x faster on XLA:CPU than a vmapped one."""
+    d, m = orders.shape
+    if d * m > jnp.iinfo(orders.dtype).max:
+        return move_rows_reference(orders, destination)
+    flat = destination + jnp.arange(d, dtype=orders.dtype)[:, None] * m
+    moved = jnp.zeros(d * m, orders.dtype).at[flat.ravel()]
+    return moved.set(orders.ravel(), unique_indices=True).reshape(d, m)
+
+
+def move_rows_reference(orders, destination):
+    def move_row(order, to):
+        return jnp.zeros_like(order).at[to].set(order, unique_indices=True)
+
+    return jax.vmap(move_row)(orders, destination)
+
+
+def gather_clamped(array: Array, index: Int[Array, "..."]) -> Array:
+    """`array[index]` along the first axis, with the index clamped into range.
+
+    Traces to one gather, where `array[index]` adds the wrapping of negative indices
+    (a smaller program, so a faster compile); lanes compute moves they then discard,
+    so an index may lie outside the array.
+    """
+    return array.at[index].get(mode="clip", wrap_negative_indices=False)
+
+
+def gather_clamped_reference(array: Array, index: Int[Array, "..."]) -> Array:
+    return array[jnp.clip(index, 0, array.shape[0] - 1)]

@@ -1,0 +1,175 @@
+"""The build: a balanced median-split k-d tree as flat arrays, in pure JAX.
+
+Every level is split by the same program (a prefix count and one scatter per level,
+in a `lax.fori_loop`), so the build's program does not grow with `n`.
+"""
+
+import functools as ft
+import math
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+
+from ._backend import argsort_keys, float32_sort_keys, move_rows
+from ._custom_types import Array, Float
+from ._metric import wrap_into_box
+from ._validate import index_dtype_for
+
+
+def _tree_depth(n: int, leaf_size: int) -> int:
+    """Levels of splits so that `2**depth` leaves of `leaf_size` slots hold `n`."""
+    leaves_needed = max(1, math.ceil(n / leaf_size))
+    return (leaves_needed - 1).bit_length()
+
+
+def _leaf_extrema(coords, valid, leaf_size):
+    """Per-leaf bounding boxes of the valid points; empty leaves get `(inf, -inf)`."""
+    d = coords.shape[1]
+    mask = valid[:, None]
+    lo = jnp.where(mask, coords, jnp.inf).reshape(-1, leaf_size, d).min(axis=1)
+    hi = jnp.where(mask, coords, -jnp.inf).reshape(-1, leaf_size, d).max(axis=1)
+    return lo, hi
+
+
+def _sorted_orders(coords, valid, index_dtype):
+    """Per dimension, the slots sorted by coordinate (padding last, stable for ties).
+
+    float64 coordinates are ordered by their float32 rounding: the order only
+    balances the tree, every box is computed from the points themselves.
+    """
+    keys = float32_sort_keys(jnp.where(valid[:, None], coords, jnp.inf).T)
+    return jax.vmap(argsort_keys)(keys).astype(index_dtype)
+
+
+def _widest_dimension(orders, coords, level, *, n, max_segments):
+    """Per segment of `level`, the dimension in which its points spread the most."""
+    d, slots = orders.shape
+    size = slots >> level
+    # Segments are counted up to the deepest level's number; the extra ones repeat
+    # the last real segment.
+    segment = jnp.minimum(
+        jnp.arange(max_segments, dtype=orders.dtype), (1 << level) - 1
+    )
+    first = segment * size
+    last = first + jnp.clip(n - first - 1, 0, size - 1)
+    dims = jnp.arange(d)[:, None]
+    spread = coords[orders[:, last], dims] - coords[orders[:, first], dims]
+    return jnp.argmax(spread, axis=0)
+
+
+def _left_ranks(flags, shift):
+    """For every slot, the number of set flags before it in its segment of
+    `2**shift` slots. Flags are packed into words, so the prefix count is a
+    population count within a word plus a cumulative sum over words."""
+    d, words, width = flags.shape
+    bit = jnp.arange(width, dtype=jnp.uint32)
+    packed = jnp.sum(flags.astype(jnp.uint32) << bit, axis=2, dtype=jnp.uint32)
+    below = lax.population_count(packed[:, :, None] & ((jnp.uint32(1) << bit) - 1))
+    count = lax.population_count(packed).astype(jnp.int32)
+    before = jnp.cumsum(count, axis=1, dtype=jnp.int32) - count
+    word_shift = shift - (width.bit_length() - 1)  # log2 of words per segment
+    word = jnp.arange(words, dtype=jnp.int32)
+    segment_first_word = (word >> word_shift) << word_shift
+    before = before - before[:, segment_first_word]
+    return below.astype(jnp.int32) + before[:, :, None]
+
+
+def _split_level(level, orders, *, coords, n, leaf_size):
+    """Splits every node of `level` at the median of its widest dimension.
+
+    Nodes are aligned segments of `slots >> level` positions, and `orders[j]` lists each
+    segment's slots sorted by coordinate `j`. The widest dimension's first half goes
+    left; every other order is then partitioned stably, so it stays sorted within both
+    halves. A prefix count and one scatter, no sort: the same program at every level.
+    """
+    d, slots = orders.shape
+    shift = (slots.bit_length() - 1) - level  # log2 of the segment size
+    size = 1 << shift
+    widest = _widest_dimension(
+        orders, coords, level, n=n, max_segments=max(1, slots // (2 * leaf_size))
+    )
+    position = jnp.arange(slots, dtype=orders.dtype)
+    offset = position & (size - 1)  # within the segment
+    chosen_order = jnp.take_along_axis(orders, widest[position >> shift][None], 0)[0]
+    goes_left = (
+        jnp.zeros(slots, bool)
+        .at[chosen_order]
+        .set(offset < size // 2, unique_indices=True)
+    )
+
+    width = min(32, 2 * leaf_size)  # a word never spans two segments
+    flags = goes_left[orders].reshape(d, slots // width, width)
+    left_rank = _left_ranks(flags, shift).astype(orders.dtype)
+    offset = offset.reshape(slots // width, width)
+    destination = (
+        position.reshape(offset.shape)
+        - offset
+        + jnp.where(flags, left_rank, size // 2 + offset - left_rank)
+    )
+    return move_rows(orders, destination.reshape(d, slots))
+
+
+def _internal_boxes(lo, hi, min_index, depth):
+    """Fills the internal nodes (heap order) from their children, bottom-up."""
+    internal = 2**depth - 1
+
+    def merge_children(_, carry):
+        lo, hi, min_index = carry
+        left, right = slice(1, 2 * internal + 1, 2), slice(2, 2 * internal + 2, 2)
+        lo = lo.at[:internal].set(jnp.minimum(lo[left], lo[right]))
+        hi = hi.at[:internal].set(jnp.maximum(hi[left], hi[right]))
+        min_index = min_index.at[:internal].set(
+            jnp.minimum(min_index[left], min_index[right])
+        )
+        return lo, hi, min_index
+
+    if internal == 0:
+        return lo, hi, min_index
+    # After `j` sweeps every node of height <= j is exact; the root has height `depth`.
+    return lax.fori_loop(0, depth, merge_children, (lo, hi, min_index))
+
+
+def _search_scale(points: Float[Array, "n d"]) -> Float[Array, ""]:
+    """A power of two that brings the largest coordinate into `[0.5, 1]`.
+
+    The search runs on scaled coordinates so that squared distances neither overflow
+    (float32 coordinates beyond ~1e19) nor underflow (below ~1e-19); scaling by a power
+    of two is exact, so it changes no comparison.
+    """
+    largest = jnp.max(jnp.abs(points), initial=0)
+    _, exponent = jnp.frexp(jnp.where(largest > 0, largest, 1))
+    return jnp.ldexp(jnp.ones((), points.dtype), -exponent)
+
+
+@ft.partial(jax.jit, static_argnames="leaf_size")
+def build_search_arrays(points: Float[Array, "n d"], leaf_size: int, period):
+    """The search arrays: leaf slots (points, indices), node boxes (heap order) and the
+    scale of the search coordinates."""
+    n, _ = points.shape
+    depth = _tree_depth(n, leaf_size)
+    slots = leaf_size << depth
+    index_dtype = index_dtype_for(slots)
+
+    coords = wrap_into_box(lax.stop_gradient(points), period)
+    scale = _search_scale(coords)
+    coords = coords * scale
+    coords = jnp.pad(coords, ((0, slots - n), (0, 0)))
+    valid = jnp.arange(slots) < n
+    split = ft.partial(_split_level, coords=coords, n=n, leaf_size=leaf_size)
+    orders = lax.fori_loop(0, depth, split, _sorted_orders(coords, valid, index_dtype))
+    perm = orders[0].astype(index_dtype)  # at the leaves every order holds the same set
+
+    leaf_points = coords[perm]
+    leaf_valid = valid[perm]
+    leaf_indices = jnp.where(leaf_valid, perm, n).astype(index_dtype)
+    leaf_lo, leaf_hi = _leaf_extrema(leaf_points, leaf_valid, leaf_size)
+    leaf_min_index = leaf_indices.reshape(-1, leaf_size).min(axis=1)
+    internal = 2**depth - 1
+    d = points.shape[1]
+    lo = jnp.concatenate([jnp.full((internal, d), jnp.inf, points.dtype), leaf_lo])
+    hi = jnp.concatenate([jnp.full((internal, d), -jnp.inf, points.dtype), leaf_hi])
+    min_index = jnp.concatenate([jnp.full((internal,), n, index_dtype), leaf_min_index])
+    lo, hi, min_index = _internal_boxes(lo, hi, min_index, depth)
+
+    return leaf_points, leaf_indices, lo, hi, min_index, scale

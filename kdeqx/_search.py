@@ -1,0 +1,165 @@
+"""What every query kind shares around its visitor: batches of queries, per-query or
+shared thresholds, empty trees, far queries, and differentiable distances.
+
+A query kind is a visitor (`kdeqx._traverse.AbstractVisitor`) and a few lines that
+turn its final states into answers:
+
+```python
+states, far = search(tree, x, r, lambda r2: _BallCount(r2, count_dtype))
+return jnp.where(far.beyond(far.distance <= r), 0, states)
+```
+"""
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+
+from ._custom_types import Array, Bool, Float, Int, PyTree
+from ._metric import minimum_image, norm_without_overflow, wrap_into_box
+from ._traverse import AbstractVisitor, far_limit, walk_many
+
+
+if TYPE_CHECKING:
+    from ._tree import KDTree
+
+
+class FarQueries(eqx.Module):
+    """Which queries lie beyond the search's clamp (`far_limit`), and each query's
+    distance to the tree's bounding box: for a far query, the distance to every point
+    of the tree, to float precision.
+
+    The walk answers a far query from its clamped position, which is nearer the tree:
+    it ranks every point equal (so by index) and may admit points that are beyond the
+    bound or radius. The query kinds drop those (`beyond`) and report `distance`.
+    """
+
+    far: Bool[Array, "*batch"]
+    distance: Float[Array, "*batch"]
+
+    def beyond(self, admits: Bool[Array, "*batch"]) -> Bool[Array, "*batch"]:
+        """The far queries whose threshold test `admits(distance)` fails."""
+        return self.far & ~admits
+
+
+def far_queries(tree: "KDTree", x: Float[Array, "*batch d"]) -> FarQueries:
+    x = wrap_into_box(lax.stop_gradient(x), tree.period)
+    scale = lax.stop_gradient(tree.scale)
+    lo, hi = (lax.stop_gradient(box[0]) / scale for box in (tree.node_lo, tree.node_hi))
+    gap = jnp.maximum(jnp.maximum(lo - x, x - hi), 0)
+    largest = jnp.max(gap, axis=-1)
+    # Every clamped query is this far (the tree lies within 1 of the origin), and from
+    # this far every point is at `distance`, to float precision, anyway.
+    return FarQueries(
+        far=largest * scale >= far_limit(x.dtype, x.shape[-1]) / 2,
+        distance=norm_without_overflow(gap, largest[..., None]),
+    )
+
+
+def search_radius2(tree: "KDTree", r: Float[Array, "*batch"]) -> Float[Array, "*batch"]:
+    """A distance `r` as a squared distance in the tree's scaled search coordinates.
+
+    A square that overflows becomes the largest finite float, not `inf`: every real
+    point's squared distance is finite (see `far_limit`), and leaf padding, at `inf`,
+    must stay outside every ball.
+    """
+    scaled = r * lax.stop_gradient(tree.scale)
+    return jnp.minimum(scaled * scaled, jnp.finfo(scaled.dtype).max)
+
+
+def search(
+    tree: "KDTree",
+    x: Float[Array, "*batch d"],
+    threshold: Float[Array, "*batch"] | Float[Array, ""],
+    make_visitor: Callable[[Float[Array, ""]], AbstractVisitor],
+) -> tuple[PyTree, FarQueries]:
+    """Walks every query with the visitor for its threshold.
+
+    **Arguments:**
+
+    - `x`: queries, shape `(*batch, d)`, validated.
+    - `threshold`: a distance (a bound or a radius), a scalar shared by all queries
+        (one visitor for all: a smaller program) or one per query, of shape `batch`.
+    - `make_visitor`: the visitor for a threshold given as a squared distance in the
+        tree's search coordinates (`search_radius2`).
+
+    **Returns:**
+
+    `(states, far)`: the visitors' final states with leading axes `batch` (an empty
+    tree, or no queries, gives the initial states) and the queries' `FarQueries`.
+    """
+    batch = x.shape[:-1]
+    threshold2 = search_radius2(tree, threshold)
+    if tree.n == 0 or x.size == 0:
+        visitors = jax.vmap(make_visitor)(
+            jnp.broadcast_to(threshold2, batch).reshape(-1)
+        )
+        states = jax.vmap(lambda v: v.init())(visitors)
+        nowhere = FarQueries(
+            far=jnp.zeros(batch, bool), distance=jnp.full(batch, jnp.inf, x.dtype)
+        )
+    else:
+        flat_x = x.reshape(-1, tree.d)
+        if threshold2.ndim == 0:
+            states = walk_many(tree, flat_x, make_visitor(threshold2), None)
+        else:
+            states = walk_many(tree, flat_x, jax.vmap(make_visitor)(threshold2.ravel()))
+        nowhere = None
+    states = jax.tree.map(lambda s: s.reshape(*batch, *s.shape[1:]), states)
+    return states, far_queries(tree, x) if nowhere is None else nowhere
+
+
+def neighbour_distances(
+    tree: "KDTree", x: Float[Array, "*batch d"], indices: Int[Array, "*batch k"]
+) -> Float[Array, "*batch k"]:
+    """Differentiable distances to the chosen rows of `points`; `inf` at sentinels."""
+    if tree.n == 0:
+        return jnp.full(indices.shape, jnp.inf, x.dtype)
+    found = indices < tree.n
+    rows = tree.points[jnp.where(found, indices, 0)]
+    diff = minimum_image(x[..., None, :] - rows, tree.period)
+    return jnp.where(found, norm_without_overflow(diff), jnp.inf)
+
+
+def found_distances(
+    tree: "KDTree",
+    x: Float[Array, "*batch d"],
+    indices: Int[Array, "*batch k"],
+    d2: Float[Array, "*batch k"],
+    far: FarQueries,
+) -> Float[Array, "*batch k"]:
+    """The distances to the found neighbours, `inf` at sentinels, from the squared
+    distances `d2` the walk measured (in search coordinates; for far queries, their
+    distance to the tree), with the derivatives of `neighbour_distances`.
+
+    The values are the walk's (the ones it ranked by; a recomputation from the rows
+    may differ in the last bit, as the sums round in another order), so a query's
+    program needs no second pass over the neighbours' rows, which was an eighth of
+    its compile work; only derivatives gather them.
+    """
+    measured = jnp.sqrt(d2) / lax.stop_gradient(tree.scale)
+    measured = jnp.where(far.far[..., None], far.distance[..., None], measured)
+    return _differentiable(
+        jnp.where(indices < tree.n, measured, jnp.inf), tree, x, indices
+    )
+
+
+@jax.custom_jvp
+def _differentiable(measured, tree, x, indices):
+    """`measured`, differentiated as `neighbour_distances(tree, x, indices)`."""
+    return measured
+
+
+@_differentiable.defjvp
+def _differentiable_jvp(primals, tangents):
+    measured, tree, x, indices = primals
+    _, tree_dot, x_dot, _ = tangents
+    value, value_dot = jax.jvp(
+        lambda t, y: neighbour_distances(t, y, indices), (tree, x), (tree_dot, x_dot)
+    )
+    # The value of `measured` (equal up to rounding), the derivatives of `value`, to
+    # every order.
+    return measured + (value - lax.stop_gradient(value)), value_dot
