@@ -12,7 +12,9 @@ import re
 import subprocess
 import sys
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -55,6 +57,7 @@ _SHARED = (
     "jit_queries_explicit",
     "sharded_tree",
     "sharded_communication",
+    "sharded_ball_and_interpolator",
 )
 
 
@@ -131,6 +134,33 @@ def test_bad_queries_raise():
         empty.interpolate(x, np.zeros(0))
 
 
+def test_one_device_ball_query_and_interpolator_match_one_tree():
+    import kdeqx
+    from kdeqx._sharded import ShardedKDTree
+
+    rng = np.random.default_rng(5)
+    points, x = rng.random((50, 2)), rng.random((7, 2))
+    values = rng.standard_normal((50, 3))
+    sharded = ShardedKDTree(points, _one_device_mesh())
+    tree = kdeqx.KDTree(points)
+    for capacity in (1, 4, 64):
+        _assert_same(
+            sharded.query_ball_point(x, 0.3, capacity),
+            tree.query_ball_point(x, 0.3, capacity),
+        )
+    _assert_same(
+        kdeqx.Interpolator(sharded, values, k=3)(x),
+        kdeqx.Interpolator(tree, values, k=3)(x),
+        exact=False,
+    )
+    empty = ShardedKDTree(np.zeros((0, 2)), _one_device_mesh())
+    distances, indices, counts = empty.query_ball_point(x, 1.0, 3)
+    assert np.all(np.isinf(distances)) and np.all(indices == 0)
+    assert np.all(counts == 0)
+    with pytest.raises(Exception, match="max_neighbors=1"):
+        sharded.query_ball_point(x, 0.3, 1, raise_on_overflow=True)
+
+
 # --- Run in a fresh process with 4 devices ---
 
 
@@ -144,6 +174,10 @@ def test_sharded_tree_matches_one_tree(shared_checks):
 
 def test_sharded_tree_communicates_only_candidates(shared_checks):
     _assert_passed(shared_checks, "sharded_communication")
+
+
+def test_sharded_ball_queries_and_interpolator_match_one_tree(shared_checks):
+    _assert_passed(shared_checks, "sharded_ball_and_interpolator")
 
 
 def test_jit_over_split_queries(shared_checks):
@@ -394,6 +428,63 @@ def check_sharded_communication():
     ):
         np.testing.assert_allclose(ours, ref, atol=1e-5)
     print("communication: candidates only; gradients equal")
+
+
+@ft.partial(jax.jit, static_argnames="capacity")
+def _ball(tree, x, radii, capacity):
+    return tree.query_ball_point(x, radii, capacity)
+
+
+def check_sharded_ball_and_interpolator():
+    """`query_ball_point` (capacities that truncate and that hold every neighbour),
+    its communication and gradients, and `Interpolator` over a `ShardedKDTree`, equal
+    to one tree's."""
+    import kdeqx
+
+    for name in ("f32-lattice", "f64-periodic", "f64-tiny"):
+        sharded, tree, points, x, rng = _case(name)
+        scale = 2.0 if name == "f32-lattice" else 0.2
+        radii = np.round(scale * rng.random(x.shape[:-1]), 1).astype(x.dtype)
+        for capacity in (3, 64):
+            ours, ref = (
+                _ball(sharded, x, radii, capacity),
+                _ball(tree, x, radii, capacity),
+            )
+            _assert_same(ours, ref)
+        if len(points) > 3:  # the small capacity truncated some queries
+            assert np.any(ours[2] > 3)
+        values = rng.standard_normal(len(points)).astype(x.dtype)
+        interpolate = eqx.filter_jit(lambda model, x: model(x))
+        _assert_same(
+            interpolate(kdeqx.Interpolator(sharded, values, k=4), x),
+            interpolate(kdeqx.Interpolator(tree, values, k=4), x),
+            exact=False,
+        )
+        print(f"{name}: query_ball_point and Interpolator equal")
+
+    sharded, tree, points, x, rng = _case("f32-lattice")
+    # Every device's candidates are all-gathered, its counts all-reduced: nothing else.
+    _, collectives = _run_compiled(
+        lambda t, x: t.query_ball_point(x, 1.5, 6), sharded, x
+    )
+    q = len(x)
+    assert sorted(collectives) == [
+        (f"f32[4,{q},6]{{2,1,0}}", "all-gather"),
+        (f"s32[4,{q},6]{{2,1,0}}", "all-gather"),
+        (f"s32[{q}]{{0}}", "all-reduce"),
+    ], collectives
+
+    @jax.jit
+    @jax.grad
+    def ball_distances(x, t):
+        distances = t.query_ball_point(x, 1.5, 6)[0]
+        return jnp.where(jnp.isfinite(distances), distances, 0).sum()
+
+    x = x + np.float32(0.25)  # off the lattice: distances differentiable
+    np.testing.assert_allclose(
+        ball_distances(x, sharded), ball_distances(x, tree), atol=1e-5
+    )
+    print("query_ball_point: candidates gathered, counts reduced; gradients equal")
 
 
 if __name__ == "__main__":
