@@ -46,8 +46,8 @@ def lane_count(state_bytes: int, backend: str | None = None) -> int:
     backend = jax.default_backend() if backend is None else backend
     if backend == "cpu":
         return CPU_LANES
-    fit = _ACCELERATOR_STATE_BYTES // max(1, state_bytes)
-    return max(CPU_LANES, min(_ACCELERATOR_MAX_LANES, 1 << (fit.bit_length() - 1)))
+    fit = min(_ACCELERATOR_MAX_LANES, _ACCELERATOR_STATE_BYTES // max(1, state_bytes))
+    return max(CPU_LANES, 1 << (fit.bit_length() - 1) if fit > 0 else 0)
 
 
 # ---------------------------------------------------------------------------------

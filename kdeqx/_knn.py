@@ -6,7 +6,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from ._backend import lexicographic_less, pairs_before, pick_one_hot
-from ._custom_types import Array, Bool, Float, Int
+from ._custom_types import Array, Bool, Float, Int, Neighbours, Queries, Threshold
 from ._mesh import split_like_queries
 from ._search import found_distances, search
 from ._traverse import AbstractVisitor
@@ -77,15 +77,11 @@ def merge_k_best(best_d2, best_indices, d2, indices):
 
 @eqx.filter_jit
 @split_like_queries
-def knn(
-    tree: "KDTree",
-    x: Float[Array, "*batch d"],
-    bound: Float[Array, "*batch"] | Float[Array, ""],
-    k: int,
-) -> tuple[Float[Array, "*batch k"], Int[Array, "*batch k"]]:
+def knn(tree: "KDTree", x: Queries, bound: Threshold, k: int) -> Neighbours:
     """`tree.query` on validated queries."""
-    index_dtype = tree.leaf_indices.dtype
-    states, far = search(tree, x, bound, lambda b2: _KNearest(k, b2, index_dtype))
+    states, far = search(
+        tree, x, bound, lambda b2: _KNearest(k, b2, tree.leaf_indices.dtype)
+    )
     d2, indices = states
     missing = (indices < 0) | far.beyond(far.distance < bound)[..., None]
     indices = jnp.where(missing, tree.n, indices)

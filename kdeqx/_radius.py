@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 import equinox as eqx
 import jax.numpy as jnp
 
-from ._custom_types import Array, Bool, Float, Int
+from ._custom_types import Array, Ball, Bool, Float, Int, Queries, Threshold
 from ._knn import merge_k_best
 from ._mesh import split_like_queries
 from ._search import found_distances, search
@@ -62,30 +62,18 @@ class _BallNearest(AbstractVisitor):
 
 @eqx.filter_jit
 @split_like_queries
-def count_ball_point(
-    tree: "KDTree",
-    x: Float[Array, "*batch d"],
-    r: Float[Array, "*batch"] | Float[Array, ""],
-) -> Int[Array, "*batch"]:
+def count_ball_point(tree: "KDTree", x: Queries, r: Threshold) -> Int[Array, "*batch"]:
     """`tree.count_ball_point` on validated queries and radii."""
-    index_dtype = tree.leaf_indices.dtype
-    counts, far = search(tree, x, r, lambda r2: _BallCount(r2, index_dtype))
+    counts, far = search(tree, x, r, lambda r2: _BallCount(r2, tree.leaf_indices.dtype))
     return jnp.where(far.beyond(far.distance <= r), 0, counts)
 
 
 @eqx.filter_jit
 @split_like_queries
-def query_ball_point(
-    tree: "KDTree",
-    x: Float[Array, "*batch d"],
-    r: Float[Array, "*batch"] | Float[Array, ""],
-    max_neighbors: int,
-) -> tuple[Float[Array, "*batch m"], Int[Array, "*batch m"], Int[Array, "*batch"]]:
+def query_ball_point(tree: "KDTree", x: Queries, r: Threshold, capacity: int) -> Ball:
     """`tree.query_ball_point` on validated queries and radii."""
     index_dtype = tree.leaf_indices.dtype
-    states, far = search(
-        tree, x, r, lambda r2: _BallNearest(max_neighbors, r2, index_dtype)
-    )
+    states, far = search(tree, x, r, lambda r2: _BallNearest(capacity, r2, index_dtype))
     d2, indices, counts = states
     beyond = far.beyond(far.distance <= r)
     empty = indices == jnp.iinfo(index_dtype).max

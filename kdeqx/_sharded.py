@@ -159,17 +159,14 @@ class ShardedKDTree(AbstractKDTree):
 
     @property
     def n(self) -> int:
-        """Number of points."""
         return self.num_shards * self.per_shard + self.leftover.n
 
     @property
     def d(self) -> int:
-        """Dimension of the points."""
         return self.leftover.d
 
     @property
     def dtype(self) -> jnp.dtype:
-        """The points' floating dtype."""
         return self.leftover.dtype
 
     def _knn(self, x, bound, k):

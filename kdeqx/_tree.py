@@ -13,7 +13,16 @@ import jax.numpy as jnp
 
 from . import _interpolate, _knn, _radius
 from ._build import build_search_arrays
-from ._custom_types import Array, ArrayLike, Float, Int
+from ._custom_types import (
+    Array,
+    ArrayLike,
+    Ball,
+    Float,
+    Int,
+    Neighbours,
+    Queries,
+    Threshold,
+)
 from ._mesh import split_like_queries
 from ._validate import (
     as_float_array,
@@ -198,7 +207,7 @@ class AbstractKDTree(eqx.Module):
         distances, indices, rows = self._knn_rows(x, k, values)
         return _interpolate.weighted_mean(weigh(distances, indices < self.n), rows)
 
-    def _check_queries(self, x: ArrayLike) -> Float[Array, "*batch d"]:
+    def _check_queries(self, x: ArrayLike) -> Queries:
         x = as_float_array("x", x, dtype=self.dtype)
         check_queries_shape("x", x, self.d)
         return check_finite("x", x, traced=self.checks_traced_inputs)
@@ -206,32 +215,20 @@ class AbstractKDTree(eqx.Module):
     # What a tree type implements: answers to validated arguments.
 
     @abc.abstractmethod
-    def _knn(
-        self,
-        x: Float[Array, "*batch d"],
-        bound: Float[Array, "*batch"] | Float[Array, ""],
-        k: int,
-    ) -> tuple[Float[Array, "*batch k"], Int[Array, "*batch k"]]:
+    def _knn(self, x: Queries, bound: Threshold, k: int) -> Neighbours:
         """`query`."""
 
     @abc.abstractmethod
-    def _count(
-        self, x: Float[Array, "*batch d"], r: Float[Array, "*batch"] | Float[Array, ""]
-    ) -> Int[Array, "*batch"]:
+    def _count(self, x: Queries, r: Threshold) -> Int[Array, "*batch"]:
         """`count_ball_point`."""
 
     @abc.abstractmethod
-    def _collect(
-        self,
-        x: Float[Array, "*batch d"],
-        r: Float[Array, "*batch"] | Float[Array, ""],
-        max_neighbors: int,
-    ) -> tuple[Float[Array, "*batch m"], Int[Array, "*batch m"], Int[Array, "*batch"]]:
+    def _collect(self, x: Queries, r: Threshold, max_neighbors: int) -> Ball:
         """`query_ball_point`, before its overflow check."""
 
     @abc.abstractmethod
     def _knn_rows(
-        self, x: Float[Array, "*batch d"], k: int, values: Float[Array, "n ..."]
+        self, x: Queries, k: int, values: Float[Array, "n ..."]
     ) -> tuple[Float[Array, "*batch k"], Int[Array, "*batch k"], Array]:
         """`query(x, k)` and the neighbours' rows of `values`, `(*batch, k, ...)`
         (any finite row at a missing neighbour)."""
@@ -301,17 +298,14 @@ class KDTree(AbstractKDTree):
 
     @property
     def n(self) -> int:
-        """Number of points."""
         return self.points.shape[-2]
 
     @property
     def d(self) -> int:
-        """Dimension of the points."""
         return self.points.shape[-1]
 
     @property
     def dtype(self) -> jnp.dtype:
-        """The points' floating dtype."""
         return self.points.dtype
 
     @property

@@ -1,11 +1,41 @@
 import os
 
 import jax
+import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 
+from .helpers import x64
 
-# float64 tests need x64; float32 tests pass dtypes explicitly, so it is harmless.
-jax.config.update("jax_enable_x64", True)
+
+# The suite runs as users do by default, with x64 off. A test that needs float64 (one
+# with a float64 parameter, or marked `x64`) runs with it on.
+
+
+def _is_float64(value) -> bool:
+    if value is None or isinstance(value, bool | int | str | tuple | list | dict):
+        return False
+    try:
+        return np.dtype(value) == np.float64
+    except TypeError:
+        return False
+
+
+def _needs_x64(item: pytest.Item) -> bool:
+    if item.get_closest_marker("x64") is not None:
+        return True
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and any(map(_is_float64, callspec.params.values()))
+
+
+@pytest.fixture(autouse=True)
+def _x64_where_needed(request):
+    if _needs_x64(request.node):
+        with x64(True):
+            yield
+    else:
+        assert not jax.config.read("jax_enable_x64")
+        yield
 
 
 # A modest number of examples in CI, the same ones every run (a red CI must mean a

@@ -137,8 +137,13 @@ def count_equations(jaxpr) -> int:
     return total
 
 
-def x64_off():
-    """`jax.enable_x64(False)`, or its older name before JAX 0.8."""
+def x64(enabled: bool):
+    """`jax.enable_x64(enabled)`, or its older names before JAX 0.8."""
     if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(False)
-    return importlib.import_module("jax.experimental").disable_x64()
+        return jax.enable_x64(enabled)
+    experimental = importlib.import_module("jax.experimental")
+    return experimental.enable_x64() if enabled else experimental.disable_x64()
+
+
+def x64_off():
+    return x64(False)

@@ -17,6 +17,7 @@ def _leaves_of(tree):
     )
 
 
+@pytest.mark.x64
 @pytest.mark.parametrize("dataset", list(DATASETS))
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 100, 1000])
 def test_every_point_lands_in_exactly_one_slot(dataset, n):

@@ -79,6 +79,7 @@ def test_non_finite_queries_raise_eagerly_and_under_jit(bad):
         jax.block_until_ready(jax.jit(lambda t, x: t.query(x))(tree, x))
 
 
+@pytest.mark.x64
 def test_index_limits_never_wrap_around():
     too_many = jax.ShapeDtypeStruct((2**31, 1), np.float32)
     tree = eqx.filter_eval_shape(kdeqx.KDTree, too_many)  # x64 is on in the tests

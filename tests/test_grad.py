@@ -4,6 +4,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import kdeqx
 
@@ -17,6 +18,7 @@ def _weighted_distances(points, x, k=4):
     return jnp.sum(distances * weights)
 
 
+@pytest.mark.x64
 def test_grad_wrt_queries_matches_finite_differences():
     rng = np.random.default_rng(0)
     points = rng.random((200, 3))
@@ -26,6 +28,7 @@ def test_grad_wrt_queries_matches_finite_differences():
     np.testing.assert_allclose(grad, reference, rtol=1e-6, atol=1e-8)
 
 
+@pytest.mark.x64
 def test_grad_wrt_points_matches_finite_differences():
     rng = np.random.default_rng(1)
     points = rng.random((40, 2))
@@ -72,6 +75,7 @@ def test_sentinels_carry_no_gradient():
     np.testing.assert_allclose(jax.grad(loss)(x), [[1.0, 0.0]])
 
 
+@pytest.mark.x64
 def test_second_derivatives_match_the_closed_form():
     """The distances' values come from the walk, their derivatives from the rows: the
     Hessian of `|x - p|` is `(I - u u^T) / |x - p|`, `u` the unit vector."""

@@ -45,6 +45,7 @@ def test_idw_matches_numpy_brute_force(power, dtype):
     assert out.dtype == dtype
 
 
+@pytest.mark.x64
 def test_idw_against_scipy_query_and_numpy_weights():
     rng = np.random.default_rng(1)
     points, values, x = rng.random((1000, 2)), rng.random(1000), rng.random((50, 2))
@@ -77,6 +78,7 @@ def test_tiny_distances_do_not_overflow():
     np.testing.assert_allclose(out, [1.0])
 
 
+@pytest.mark.x64
 @pytest.mark.parametrize("kernel", ["idw", "gaussian"])
 def test_interpolator_grads_match_finite_differences(kernel):
     rng = np.random.default_rng(2)
@@ -106,6 +108,7 @@ def test_interpolator_grads_match_finite_differences(kernel):
     )
 
 
+@pytest.mark.x64
 def test_gradient_wrt_points():
     rng = np.random.default_rng(3)
     points, values, x = rng.random((30, 2)), rng.random(30), rng.random((3, 2))
@@ -122,6 +125,7 @@ def test_gradient_wrt_points():
     )
 
 
+@pytest.mark.x64
 def test_gaussian_kernel_matches_reference():
     rng = np.random.default_rng(4)
     points, values, x = rng.random((300, 2)), rng.random((300, 3)), rng.random((20, 2))

@@ -84,6 +84,7 @@ def test_many_queries_on_a_lattice_order_ties_by_index():
     assert_knn_correct(points, x, 12, distances, indices, exact_ties=True)
 
 
+@pytest.mark.x64
 def test_many_queries_in_a_periodic_box():
     rng = np.random.default_rng(2)
     points = rng.random((2000, 2))

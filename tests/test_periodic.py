@@ -49,6 +49,7 @@ def test_radius_matches_scipy_boxsize(box):
         assert sorted(np.asarray(indices[q, : counts[q]]).tolist()) == sorted(expected)
 
 
+@pytest.mark.x64
 def test_wrap_around_neighbours_and_round_off_outside_the_box():
     points = np.array([[0.01, 0.5], [0.5, 0.5], [1.0 + 1e-12, 0.5], [-1e-12, 0.2]])
     tree = kdeqx.KDTree(points, box=1.0)
@@ -57,6 +58,7 @@ def test_wrap_around_neighbours_and_round_off_outside_the_box():
     np.testing.assert_allclose(distances, [0.01, 0.02], atol=1e-9)
 
 
+@pytest.mark.x64
 def test_periodic_gradients_are_finite_and_match_finite_differences():
     rng = np.random.default_rng(2)
     points = rng.random((50, 2))

@@ -11,11 +11,16 @@ import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import assume, given
 
 import kdeqx
 
 from .helpers import assert_knn_correct
+
+
+# Drawn data sets are float32 or float64: x64 on, as for float64 tests.
+pytestmark = pytest.mark.x64
 
 
 KINDS = ["uniform", "duplicates", "lattice", "line", "plane", "identical"]

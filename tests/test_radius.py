@@ -87,6 +87,7 @@ def test_vmap_over_trees_for_radius_queries():
         np.testing.assert_array_equal(counts[b], expected)
 
 
+@pytest.mark.x64
 def test_radius_distances_are_differentiable():
     rng = np.random.default_rng(3)
     points = rng.random((100, 2))

@@ -94,6 +94,7 @@ def question_closed_form(t, order):
     return e.real[:, None, None] * sx + e.imag[:, None, None] * sz
 
 
+@pytest.mark.x64
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_question_example(dtype):
     """Against the question's nested-jacfwd recursion for k <= 5, and the closed forms
@@ -110,6 +111,7 @@ def test_question_example(dtype):
     np.testing.assert_allclose(got[2], expected, atol=10 * tolerance(dtype))
 
 
+@pytest.mark.x64
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_question_normalised_to_order_100(dtype):
     """X_k / k! falls to 1e-43 at k = 100, below float32's range; the mantissa and
@@ -134,6 +136,7 @@ def test_question_normalised_to_order_100(dtype):
     assert np.all(relative_errors(normalised, expected)[representable] < limit)
 
 
+@pytest.mark.x64
 def test_unnormalised_terms_and_float32_overflow():
     """X_k = (X_k / k!) k!; in float32 |X_k| passes the largest float near k = 44 and
     becomes inf (never nan)."""
@@ -197,6 +200,7 @@ def case_reference(name, t, order):
     return np.asarray(nested_jacfwd(hamiltonian, observable, order)(jnp.float64(t)))
 
 
+@pytest.mark.x64
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_against_nested_jacfwd(name, dtype):
@@ -234,6 +238,7 @@ def polynomial_reference(h_coeffs, x_coeffs, t, order):
     return np.stack(terms)
 
 
+@pytest.mark.x64
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_non_hermitian_polynomial_generator_to_order_16(dtype):
     keys = jax.random.split(jax.random.key(5), 5)
@@ -253,6 +258,7 @@ def test_non_hermitian_polynomial_generator_to_order_16(dtype):
     assert np.all(relative_errors(got, expected) < limit)
 
 
+@pytest.mark.x64
 def test_order_zero_is_the_observable():
     sx, sy, _ = pauli(jnp.float64)
     series = kdeqx.OperatorSeries(lambda t: jnp.cos(t) * sy, lambda t: t * sx, 0)
@@ -261,6 +267,7 @@ def test_order_zero_is_the_observable():
     np.testing.assert_allclose(got[0], 0.5 * sx)
 
 
+@pytest.mark.x64
 def test_real_generator_and_int_time():
     series = kdeqx.OperatorSeries(
         lambda t: jnp.array([[0.0, t], [t, 1.0]]), jnp.eye(2), order=3
@@ -303,6 +310,7 @@ def flat_grads(grads):
     return jax.flatten_util.ravel_pytree(eqx.filter(grads, eqx.is_inexact_array))[0]
 
 
+@pytest.mark.x64
 def test_grad_matches_finite_differences():
     """Gradients with respect to the generator's parameters, the observable and t in
     float64 against central differences; then in float32, under jit and vmap over t,
@@ -333,6 +341,7 @@ def test_grad_matches_finite_differences():
     np.testing.assert_allclose(g32, g64, rtol=1e-4, atol=1e-4 * np.max(np.abs(g64)))
 
 
+@pytest.mark.x64
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_vmap_over_time(dtype):
     series = question(dtype, order=12)
@@ -370,6 +379,7 @@ def mlp_series(order, depth):
     return kdeqx.OperatorSeries(MLPGenerator(depth), observable, order=order)
 
 
+@pytest.mark.x64
 def test_mlp_generator():
     """Against nested jacfwd, and its gradient against central differences (the
     differences reuse the compilation of the first check)."""
@@ -433,6 +443,7 @@ def cauchy_coefficients(fn, t, order, radius=0.5, points=64):
     return coeffs[: order + 1]
 
 
+@pytest.mark.x64
 def test_taylor_rules_to_order_12():
     t = 0.7
     got = jax.jit(
@@ -470,6 +481,7 @@ NONSMOOTH_AND_STRUCTURAL = {
 }
 
 
+@pytest.mark.x64
 def test_taylor_rules_against_nested_jacfwd():
     """Nonsmooth and structural primitives, to order 3 (at points away from kinks);
     the smooth rules are checked to order 12 above."""
@@ -505,6 +517,7 @@ def test_taylor_coefficients_of_a_pytree_with_constants():
 # --- Errors ---------------------------------------------------------------------------
 
 
+@pytest.mark.x64
 def test_errors():
     sx, sy, _ = pauli(jnp.float64)
     t = jnp.float64(1.0)
@@ -530,6 +543,7 @@ def test_errors():
         series(jnp.complex128(1.0))
 
 
+@pytest.mark.x64
 def test_unsupported_primitive_is_named():
     def hamiltonian(t):
         return jnp.diag(jnp.sort(jnp.stack([t, -t])))
@@ -553,6 +567,7 @@ def test_program_size_does_not_grow_with_order():
     assert hlo[1] < 1.02 * hlo[0]
 
 
+@pytest.mark.x64
 def test_no_retracing():
     sx, sy, _ = pauli(jnp.float64)
 

@@ -1,0 +1,213 @@
+"""Backend tricks against their plain-JAX references, and the internals they serve
+(the k-best merge, Morton codes) against numpy, so a failure points at one function."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kdeqx import _backend
+from kdeqx._knn import merge_k_best
+from kdeqx._traverse import morton_codes
+
+from .helpers import DTYPES
+
+
+def _float32_with_edge_cases(rng, m):
+    values = rng.standard_normal(m).astype(np.float32)
+    values[: m // 4] = rng.integers(-3, 3, m // 4)  # ties
+    # (No subnormals: XLA:CPU flushes them to zero, so they key as 0, which only
+    # balances the build's splits differently.)
+    tiny = np.finfo(np.float32).tiny
+    edge = [0.0, -0.0, np.inf, -np.inf, tiny, -tiny, 3e38]
+    values[-len(edge) :] = edge
+    return rng.permutation(values)
+
+
+@pytest.mark.parametrize("m", [0, 1, 7, 1000])
+def test_argsort_keys_is_a_stable_argsort(m):
+    keys = jnp.asarray(np.random.default_rng(m).integers(0, 5, m), jnp.uint32)
+    ours = jax.jit(_backend.argsort_keys)(keys)
+    reference = _backend.argsort_keys_reference(keys)
+    np.testing.assert_array_equal(ours, reference)
+    np.testing.assert_array_equal(ours, np.argsort(np.asarray(keys), stable=True))
+
+
+def test_float32_sort_keys_order_as_the_values():
+    values = _float32_with_edge_cases(np.random.default_rng(0), 200)
+    keys = np.asarray(_backend.float32_sort_keys(jnp.asarray(values)))
+    order = np.argsort(keys, stable=True)
+    np.testing.assert_array_equal(values[order], np.sort(values))
+    # -0 and +0 are one key; every other pair of distinct values two.
+    assert len(np.unique(keys)) == len(np.unique(values))
+
+
+def _pairs(rng, m, dtype):
+    d2 = rng.integers(0, 4, m).astype(dtype)  # many equal distances
+    d2[0] = np.inf
+    indices = rng.integers(-1, 6, m).astype(np.int32)
+    return jnp.asarray(d2), jnp.asarray(indices)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pairs_before_is_the_lexicographic_order(dtype):
+    rng = np.random.default_rng(1)
+    a, b = _pairs(rng, 40, dtype), _pairs(rng, 9, dtype)
+    ours = jax.jit(_backend.pairs_before)(*a, *b)
+    reference = _backend.pairs_before_reference(*a, *b)
+    np.testing.assert_array_equal(ours, reference)
+    expected = [
+        [
+            (float(a[0][j]), int(a[1][j])) < (float(b[0][i]), int(b[1][i]))
+            for j in range(40)
+        ]
+        for i in range(9)
+    ]
+    np.testing.assert_array_equal(ours, expected)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32])
+def test_pick_one_hot_picks_the_marked_entries(dtype):
+    rng = np.random.default_rng(2)
+    k, m1, m2 = 5, 5, 12
+    values1 = jnp.asarray(rng.standard_normal(m1) * 1e30, dtype)
+    values2 = jnp.asarray(np.r_[np.inf, rng.standard_normal(m2 - 1)], dtype)
+    # Each output slot picks exactly one entry of one of the two sources.
+    slot_source = rng.integers(0, 2, k)
+    mask1 = np.zeros((k, m1), bool)
+    mask2 = np.zeros((k, m2), bool)
+    mask1[
+        np.flatnonzero(slot_source == 0), rng.integers(0, m1, k)[slot_source == 0]
+    ] = 1
+    mask2[
+        np.flatnonzero(slot_source == 1), rng.integers(0, m2, k)[slot_source == 1]
+    ] = 1
+    sources = ((jnp.asarray(mask1), values1), (jnp.asarray(mask2), values2))
+    ours = jax.jit(_backend.pick_one_hot)(sources)
+    np.testing.assert_array_equal(ours, _backend.pick_one_hot_reference(sources))
+    expected = [
+        (values1[mask1[i]] if slot_source[i] == 0 else values2[mask2[i]])[0]
+        for i in range(k)
+    ]
+    np.testing.assert_array_equal(ours, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sums_equal_the_reference_sum(dtype):
+    terms = np.random.default_rng(3).random((50, 7)).astype(dtype) ** 2
+    terms[0] = 0
+    terms[1, 3] = np.inf
+    reference = np.asarray(_backend.sum_nonnegative_reference(jnp.asarray(terms)))
+    for trick in (_backend.sum_nonnegative, _backend.sum_by_additions):
+        ours = np.asarray(jax.jit(trick)(jnp.asarray(terms)))
+        # Rounding may differ in the order of the additions, not more.
+        np.testing.assert_allclose(ours, reference, rtol=8 * np.finfo(dtype).eps)
+        np.testing.assert_array_equal(ours[:2], [0, np.inf])
+    # Exact for sums that round nowhere, and never below the largest term.
+    integers = jnp.asarray(np.random.default_rng(4).integers(0, 9, (20, 5)), dtype)
+    np.testing.assert_array_equal(
+        _backend.sum_nonnegative(integers), np.sum(integers, -1)
+    )
+    huge = jnp.asarray([[np.finfo(dtype).max, 1.0, 1.0]], dtype)
+    assert _backend.sum_nonnegative(huge)[0] == np.finfo(dtype).max
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.zeros(0),
+        np.ones((3, 4)),
+        np.array([1.0, np.nan]),
+        np.array([[np.inf, 0.0]]),
+        np.array([-np.inf]),
+        np.array([3e38, -3e38], np.float32),
+    ],
+)
+def test_all_finite_is_isfinite_all(array):
+    array = jnp.asarray(array)
+    expected = bool(np.all(np.isfinite(np.asarray(array))))
+    assert bool(jax.jit(_backend.all_finite)(array)) == expected
+    assert bool(_backend.all_finite_reference(array)) == expected
+
+
+def test_move_rows_is_a_scatter_per_row():
+    rng = np.random.default_rng(5)
+    orders = jnp.asarray(rng.integers(0, 100, (3, 64)), jnp.int32)
+    destination = jnp.asarray(np.stack([rng.permutation(64) for _ in range(3)]))
+    destination = destination.astype(jnp.int32)
+    ours = jax.jit(_backend.move_rows)(orders, destination)
+    np.testing.assert_array_equal(
+        ours, _backend.move_rows_reference(orders, destination)
+    )
+    expected = np.zeros((3, 64), np.int32)
+    for j in range(3):
+        expected[j, np.asarray(destination[j])] = orders[j]
+    np.testing.assert_array_equal(ours, expected)
+
+
+def test_gather_clamped_clamps_out_of_range_indices():
+    array = jnp.arange(10.0).reshape(5, 2)
+    index = jnp.asarray([-3, -1, 0, 2, 4, 5, 99], jnp.int32)
+    ours = jax.jit(_backend.gather_clamped)(array, index)
+    np.testing.assert_array_equal(ours, _backend.gather_clamped_reference(array, index))
+    np.testing.assert_array_equal(ours, np.asarray(array)[np.clip(index, 0, 4)])
+
+
+def test_lane_count_per_backend():
+    assert _backend.lane_count(64, "cpu") == _backend.CPU_LANES
+    for state_bytes in (1, 64, 4096, 2**40):
+        lanes = _backend.lane_count(state_bytes, "gpu")
+        assert lanes & (lanes - 1) == 0  # a power of two
+        assert _backend.CPU_LANES <= lanes <= 2**20
+        assert lanes == _backend.CPU_LANES or lanes * state_bytes <= 2**30
+    assert _backend.lane_count(64, "gpu") == 2**20
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [1, 4, 9])
+def test_merge_k_best_keeps_the_k_smallest_pairs(dtype, k):
+    rng = np.random.default_rng(k)
+    leaf = 8
+    for _ in range(20):
+        best = sorted(zip(rng.integers(0, 5, k).astype(dtype), rng.permutation(20)[:k]))
+        empty = rng.integers(0, k + 1)  # empty entries (bound2, -1) at the end
+        bound2 = dtype(5)
+        best = best[: k - empty] + [(bound2, -1)] * empty
+        d2 = rng.integers(0, 6, leaf).astype(dtype)
+        indices = 20 + rng.permutation(leaf)  # no real index in both
+        padding = rng.random(leaf) < 0.3
+        d2[padding], indices[padding] = np.inf, 100
+        best_d2 = jnp.asarray([b[0] for b in best], dtype)
+        best_indices = jnp.asarray([b[1] for b in best], jnp.int32)
+        merged = jax.jit(merge_k_best)(
+            best_d2, best_indices, jnp.asarray(d2), jnp.asarray(indices, jnp.int32)
+        )
+        expected = sorted(best + list(zip(d2, indices)))[:k]
+        np.testing.assert_array_equal(merged[0], [e[0] for e in expected])
+        np.testing.assert_array_equal(merged[1], [e[1] for e in expected])
+
+
+def _interleave(cells: np.ndarray, bits: int) -> np.ndarray:
+    """Bit `b` of dimension `j` to bit `b * dims + j`, one bit at a time."""
+    dims = cells.shape[1]
+    codes = np.zeros(len(cells), np.uint64)
+    for b in range(bits):
+        for j in range(dims):
+            bit = (cells[:, j].astype(np.uint64) >> np.uint64(b)) & np.uint64(1)
+            codes |= bit << np.uint64(b * dims + j)
+    return codes
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 7, 40])
+def test_morton_codes_interleave_the_quantised_coordinates(d):
+    rng = np.random.default_rng(d)
+    lo, hi = np.full(d, -1.0, np.float32), np.full(d, 3.0, np.float32)
+    x = rng.uniform(-2, 4, (100, d)).astype(np.float32)  # some outside the box
+    dims = min(d, 30)
+    bits = 30 // dims
+    unit = np.clip((x[:, :dims] - lo[:dims]) / (hi - lo)[:dims], 0, 1)
+    cells = (unit * (2**bits - 1)).astype(np.uint32)
+    codes = morton_codes(jnp.asarray(x), jnp.asarray(lo), jnp.asarray(hi))
+    np.testing.assert_array_equal(
+        np.asarray(codes, np.uint64), _interleave(cells, bits)
+    )
