@@ -22,3 +22,39 @@ def compile_time(make_jitted, *args):
     start = time.perf_counter()
     jitted.lower(*args).compile()
     return time.perf_counter() - start
+
+
+class cores:
+    """A context that runs this process (every thread of it: XLA's, OpenMP's) on the
+    given CPU cores only, as `taskset -c` would; `cores(None)` changes nothing."""
+
+    def __init__(self, which):
+        self.which = which
+
+    def __enter__(self):
+        import os
+
+        self.before = os.sched_getaffinity(0)
+        if self.which is not None:
+            for thread in _thread_ids():
+                os.sched_setaffinity(thread, set(self.which))
+        return self
+
+    def __exit__(self, *exc):
+        import os
+
+        for thread in _thread_ids():
+            os.sched_setaffinity(thread, self.before)
+
+
+def _thread_ids():
+    import os
+
+    return [int(t) for t in os.listdir("/proc/self/task")]
+
+
+def core_settings():
+    """`(label, cores)` for the two settings every table reports: all cores, one."""
+    import os
+
+    return [(f"{len(os.sched_getaffinity(0))} cores", None), ("1 core", [0])]

@@ -10,6 +10,7 @@ Unless noted, measurements are from XLA:CPU on a 2-core x86-64 box (jax 0.10.2,
 float32, 3-D, n = 1e6, Q = 1e5, k = 8): see `benchmarks/RESULTS.md`.
 """
 
+import contextlib
 import functools as ft
 import importlib
 import operator
@@ -126,6 +127,81 @@ def pairs_before_reference(d2_a, index_a, d2_b, index_b) -> Bool[Array, "b a"]:
     return lexicographic_less(
         d2_a[None, :], index_a[None, :], d2_b[:, None], index_b[:, None]
     )
+
+
+def packs_pairs(d2_dtype, index_dtype) -> bool:
+    """Whether `(d2, index)` pairs of these dtypes fit one uint64 key."""
+    return jnp.dtype(d2_dtype).itemsize == 4 and jnp.dtype(index_dtype).itemsize == 4
+
+
+def pair_keys_context(d2_dtype, index_dtype):
+    """The context in which `pack_pairs`' keys exist (x64, for packed keys)."""
+    if packs_pairs(d2_dtype, index_dtype):
+        return enable_x64_locally()
+    return contextlib.nullcontext()
+
+
+def pack_pairs(d2: Array, indices: Array) -> tuple[Array, ...]:
+    """`(d2, index)` pairs as keys in their lexicographic order: one uint64 array
+    where the pair fits (compared and moved in one operation each, rather than five
+    and two), else the two arrays. Use inside `pair_keys_context`, in `lax` alone."""
+    if packs_pairs(d2.dtype, indices.dtype):
+        return (_packed_keys(d2, indices),)
+    return d2, indices
+
+
+def unpack_pairs(keys: tuple[Array, ...], d2_dtype, index_dtype) -> tuple[Array, Array]:
+    if len(keys) == 2:
+        return keys[0], keys[1]
+    (packed,) = keys
+    high = lax.shift_right_logical(packed, jnp.uint64(32))
+    high = lax.convert_element_type(high, jnp.uint32)
+    low = lax.convert_element_type(packed, jnp.uint32)
+    low = lax.sub(low, jnp.uint32(1))
+    return (
+        lax.bitcast_convert_type(high, d2_dtype),
+        lax.bitcast_convert_type(low, index_dtype),
+    )
+
+
+def largest_pairs(keys: tuple[Array, ...], size: int) -> tuple[Array, ...]:
+    """`size` keys that sort after every pair."""
+    if len(keys) == 1:
+        return (lax.full((size,), jnp.iinfo(jnp.uint64).max, jnp.uint64),)
+    d2, indices = keys
+    return (
+        lax.full((size,), jnp.inf, d2.dtype),
+        lax.full((size,), jnp.iinfo(indices.dtype).max, indices.dtype),
+    )
+
+
+def pairs_minmax(a: tuple[Array, ...], b: tuple[Array, ...]):
+    """The elementwise lesser and greater of two arrays of keys."""
+    if len(a) == 1:
+        return (lax.min(a[0], b[0]),), (lax.max(a[0], b[0]),)
+    a_first = lexicographic_less(*a, *b)
+    low = tuple(lax.select(a_first, x, y) for x, y in zip(a, b, strict=True))
+    high = tuple(lax.select(a_first, y, x) for x, y in zip(a, b, strict=True))
+    return low, high
+
+
+def sort_pairs(
+    d2: Float[Array, "*batch m"], indices: Int[Array, "*batch m"]
+) -> tuple[Float[Array, "*batch m"], Int[Array, "*batch m"]]:
+    """Sorts each row of `(d2 >= 0, index >= -1)` pairs lexicographically: one sort of
+    packed uint64 keys where the pairs fit, which XLA:CPU sorts ~6x faster than a
+    two-key sort."""
+    if not packs_pairs(d2.dtype, indices.dtype):
+        return sort_pairs_reference(d2, indices)
+    with enable_x64_locally():
+        (keys,) = pack_pairs(d2, indices)
+        keys = lax.sort(keys, dimension=keys.ndim - 1)
+        return unpack_pairs((keys,), d2.dtype, indices.dtype)
+
+
+def sort_pairs_reference(d2, indices):
+    d2, indices = lax.sort((d2, indices), dimension=d2.ndim - 1, num_keys=2)
+    return d2, indices
 
 
 def _packed_keys(d2, indices):

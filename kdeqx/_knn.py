@@ -5,8 +5,9 @@ from typing import TYPE_CHECKING
 import equinox as eqx
 import jax.numpy as jnp
 
-from ._backend import lexicographic_less, pairs_before, pick_one_hot
+from ._backend import lexicographic_less
 from ._custom_types import Array, Bool, Float, Int, Neighbours, Queries, Threshold
+from ._merge import merge_k_best
 from ._mesh import split_like_queries
 from ._search import found_distances, search
 from ._traverse import AbstractVisitor
@@ -43,36 +44,6 @@ class _KNearest(AbstractVisitor):
     def visit_leaf(self, state, d2, indices) -> _KnnState:
         best_d2, best_indices = state
         return merge_k_best(best_d2, best_indices, d2, indices)
-
-
-def merge_k_best(best_d2, best_indices, d2, indices):
-    """The k lexicographically smallest of `best` (sorted, length k) and a leaf.
-
-    A merge by ranks, not a sort: each entry's position in the merged order is a count
-    of comparisons, all vectorised. No real point appears twice, so only the empty
-    entries of `best`, ranked by position there, and the leaf's padding slots
-    `(inf, n)` tie. Every entry of `best` precedes the padding, so padding ranks `k`
-    or later, and its ties do not matter.
-    """
-    k = best_d2.shape[0]
-    rank_dtype = jnp.int32
-    leaf_before_best = pairs_before(d2, indices, best_d2, best_indices)  # (k, leaf)
-    leaf_before_leaf = pairs_before(d2, indices, d2, indices)  # (leaf, leaf)
-    best_rank = jnp.arange(k, dtype=rank_dtype) + jnp.sum(
-        leaf_before_best, axis=1, dtype=rank_dtype
-    )
-    leaf_rank = jnp.sum(~leaf_before_best, axis=0, dtype=rank_dtype) + jnp.sum(
-        leaf_before_leaf, axis=1, dtype=rank_dtype
-    )
-    # Two one-hot picks, one per source: concatenating best and leaf first made this
-    # merge ~3x slower on XLA:CPU (the concatenation is not fused into the loop).
-    slot = jnp.arange(k, dtype=rank_dtype)[:, None]
-    from_best = best_rank[None, :] == slot  # (k, k), one-hot rows
-    from_leaf = leaf_rank[None, :] == slot  # (k, leaf)
-    return (
-        pick_one_hot(((from_best, best_d2), (from_leaf, d2))),
-        pick_one_hot(((from_best, best_indices), (from_leaf, indices))),
-    )
 
 
 @eqx.filter_jit

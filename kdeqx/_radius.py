@@ -3,10 +3,12 @@
 from typing import TYPE_CHECKING
 
 import equinox as eqx
+import jax.lax as lax
 import jax.numpy as jnp
 
+from ._backend import sort_pairs
 from ._custom_types import Array, Ball, Bool, Float, Int, Queries, Threshold
-from ._knn import merge_k_best
+from ._merge import merge_k_best, RANK_MERGE_MAX_K
 from ._mesh import split_like_queries
 from ._search import found_distances, search
 from ._traverse import AbstractVisitor
@@ -68,13 +70,65 @@ def count_ball_point(tree: "KDTree", x: Queries, r: Threshold) -> Int[Array, "*b
     return jnp.where(far.beyond(far.distance <= r), 0, counts)
 
 
+class _BallAppend(AbstractVisitor):
+    """Counts the points with `d2 <= r2` and keeps the first `k` found, unordered:
+    `O(leaf)` work per leaf, whatever `k`.
+
+    Empty entries are `(r2, max index)`, as `_BallNearest`'s.
+    """
+
+    k: int = eqx.field(static=True)
+    r2: Float[Array, ""]
+    index_dtype: jnp.dtype = eqx.field(static=True)
+
+    def init(self):
+        return _BallNearest(self.k, self.r2, self.index_dtype).init()
+
+    def should_visit(self, state, box_d2, min_index) -> Bool[Array, ""]:
+        return box_d2 <= self.r2
+
+    def visit_leaf(self, state, d2, indices):
+        kept_d2, kept_indices, count = state
+        inside = d2 <= self.r2
+        # The found points go to the next free slots; the rest (and any beyond the
+        # `k` slots) are dropped.
+        slot = count + jnp.cumsum(inside, dtype=count.dtype) - 1
+        slot = jnp.where(inside, slot, self.k)
+        kept_d2 = kept_d2.at[slot].set(d2, mode="drop")
+        kept_indices = kept_indices.at[slot].set(indices, mode="drop")
+        return kept_d2, kept_indices, count + jnp.sum(inside, dtype=count.dtype)
+
+
+def _nearest_in_ball(tree: "KDTree", x: Queries, r: Threshold, capacity: int):
+    """The `capacity` nearest points within `r` of each query (sorted), and the
+    counts. Small capacities keep the nearest as the walk goes; large ones collect
+    the points found in `O(found)` and sort them once, and walk again keeping the
+    nearest only if some query found more than `capacity`."""
+    index_dtype = tree.leaf_indices.dtype
+
+    def keeping_the_nearest():
+        return search(tree, x, r, lambda r2: _BallNearest(capacity, r2, index_dtype))
+
+    if capacity <= RANK_MERGE_MAX_K:
+        return keeping_the_nearest()
+    (d2, indices, counts), far = search(
+        tree, x, r, lambda r2: _BallAppend(capacity, r2, index_dtype)
+    )
+    collected = (*sort_pairs(d2, indices), counts)
+    states = lax.cond(
+        jnp.any(counts > capacity),
+        lambda: keeping_the_nearest()[0],
+        lambda: collected,
+    )
+    return states, far
+
+
 @eqx.filter_jit
 @split_like_queries
 def query_ball_point(tree: "KDTree", x: Queries, r: Threshold, capacity: int) -> Ball:
     """`tree.query_ball_point` on validated queries and radii."""
     index_dtype = tree.leaf_indices.dtype
-    states, far = search(tree, x, r, lambda r2: _BallNearest(capacity, r2, index_dtype))
-    d2, indices, counts = states
+    (d2, indices, counts), far = _nearest_in_ball(tree, x, r, capacity)
     beyond = far.beyond(far.distance <= r)
     empty = indices == jnp.iinfo(index_dtype).max
     indices = jnp.where(empty | beyond[..., None], tree.n, indices)

@@ -246,7 +246,8 @@ _Kind = Literal["knn", "count", "ball"]
 
 def _local_answer(tree: KDTree, kind: _Kind, x, threshold, k: int):
     """One tree's `(distances, indices, counts)` for a query kind, `None` where the
-    kind has none."""
+    kind has none; at most `n` candidates of a tree of `n >= 1` points."""
+    k = min(k, tree.n)
     if kind == "knn":
         return (*tree._knn(x, threshold, k), None)
     if kind == "count":

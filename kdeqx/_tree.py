@@ -87,7 +87,8 @@ class AbstractKDTree(eqx.Module):
         **Arguments:**
 
         - `x`: queries, shape `(d,)` or `(..., d)`. Must be finite.
-        - `k`: number of neighbours, a static Python int `>= 1`. `k > n` is allowed.
+        - `k`: number of neighbours, a static Python int `>= 1`. `k > n` is allowed
+            and costs what `k = n` costs: the neighbours beyond `n` are sentinels.
         - `distance_upper_bound`: only points at distance strictly less than this are
             returned (a scalar, or one value per query of shape `(...)`).
 
@@ -103,7 +104,7 @@ class AbstractKDTree(eqx.Module):
         bound = jnp.asarray(distance_upper_bound, x.dtype)
         if bound.ndim > 0:
             bound = jnp.broadcast_to(bound, x.shape[:-1])
-        return self._knn(x, bound, k)
+        return _padded(self._knn(x, bound, _findable(k, self.n)), k, self.n)
 
     def count_ball_point(
         self, x: ArrayLike, r: float | ArrayLike
@@ -156,7 +157,10 @@ class AbstractKDTree(eqx.Module):
         max_neighbors = check_static_int("max_neighbors", max_neighbors, 1)
         x = self._check_queries(x)
         r = check_radius(r, x.shape[:-1], x.dtype)
-        distances, indices, counts = self._collect(x, r, max_neighbors)
+        distances, indices, counts = self._collect(
+            x, r, _findable(max_neighbors, self.n)
+        )
+        distances, indices = _padded((distances, indices), max_neighbors, self.n)
         if raise_on_overflow:
             distances = eqx.error_if(
                 distances,
@@ -204,7 +208,7 @@ class AbstractKDTree(eqx.Module):
         weigh = _interpolate.kernel_weights(kernel, power, length_scale, self.dtype)
         values = check_values(values, self.n)
         x = self._check_queries(x)
-        distances, indices, rows = self._knn_rows(x, k, values)
+        distances, indices, rows = self._knn_rows(x, _findable(k, self.n), values)
         return _interpolate.weighted_mean(weigh(distances, indices < self.n), rows)
 
     def _check_queries(self, x: ArrayLike) -> Queries:
@@ -324,6 +328,29 @@ class KDTree(AbstractKDTree):
     def _knn_rows(self, x, k, values):
         distances, indices = _knn.knn(self, x, jnp.asarray(jnp.inf, x.dtype), k)
         return distances, indices, _rows_at(values, indices)
+
+
+def _findable(wanted: int, n: int) -> int:
+    """How many of `wanted` neighbours a search can find among `n` points (at least
+    one, so that an empty tree still answers with sentinels)."""
+    return max(1, min(wanted, n))
+
+
+def _padded(
+    neighbours: tuple[Float[Array, "*batch found"], Int[Array, "*batch found"]],
+    width: int,
+    n: int,
+) -> tuple[Float[Array, "*batch width"], Int[Array, "*batch width"]]:
+    """Distances and indices padded with the sentinels `(inf, n)` to `width`."""
+    distances, indices = neighbours
+    missing = width - distances.shape[-1]
+    if missing == 0:
+        return distances, indices
+    pad = [(0, 0)] * (distances.ndim - 1) + [(0, missing)]
+    return (
+        jnp.pad(distances, pad, constant_values=jnp.inf),
+        jnp.pad(indices, pad, constant_values=n),
+    )
 
 
 @split_like_queries

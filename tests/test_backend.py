@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kdeqx import _backend
-from kdeqx._knn import merge_k_best
+from kdeqx._merge import merge_by_networks, merge_by_ranks, merge_k_best
 from kdeqx._traverse import morton_codes
 
 from .helpers import DTYPES
@@ -163,23 +163,26 @@ def test_lane_count_per_backend():
     assert _backend.lane_count(64, "gpu") == 2**20
 
 
+@pytest.mark.parametrize("merge", [merge_k_best, merge_by_ranks, merge_by_networks])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k", [1, 4, 9])
-def test_merge_k_best_keeps_the_k_smallest_pairs(dtype, k):
+@pytest.mark.parametrize("k", [1, 4, 9, 33, 100])
+def test_merges_keep_the_k_smallest_pairs(merge, dtype, k):
     rng = np.random.default_rng(k)
     leaf = 8
     for _ in range(20):
-        best = sorted(zip(rng.integers(0, 5, k).astype(dtype), rng.permutation(20)[:k]))
+        best = sorted(
+            zip(rng.integers(0, 5, k).astype(dtype), rng.permutation(200)[:k])
+        )
         empty = rng.integers(0, k + 1)  # empty entries (bound2, -1) at the end
         bound2 = dtype(5)
         best = best[: k - empty] + [(bound2, -1)] * empty
         d2 = rng.integers(0, 6, leaf).astype(dtype)
-        indices = 20 + rng.permutation(leaf)  # no real index in both
+        indices = 200 + rng.permutation(leaf)  # no real index in both
         padding = rng.random(leaf) < 0.3
-        d2[padding], indices[padding] = np.inf, 100
+        d2[padding], indices[padding] = np.inf, 1000
         best_d2 = jnp.asarray([b[0] for b in best], dtype)
         best_indices = jnp.asarray([b[1] for b in best], jnp.int32)
-        merged = jax.jit(merge_k_best)(
+        merged = jax.jit(merge)(
             best_d2, best_indices, jnp.asarray(d2), jnp.asarray(indices, jnp.int32)
         )
         expected = sorted(best + list(zip(d2, indices)))[:k]
@@ -211,3 +214,19 @@ def test_morton_codes_interleave_the_quantised_coordinates(d):
     np.testing.assert_array_equal(
         np.asarray(codes, np.uint64), _interleave(cells, bits)
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sort_pairs_sorts_rows_lexicographically(dtype):
+    rng = np.random.default_rng(6)
+    d2 = rng.integers(0, 5, (4, 50)).astype(dtype)
+    d2[:, :3] = np.inf
+    indices = np.stack([rng.permutation(50) - 1 for _ in range(4)]).astype(np.int32)
+    ours = jax.jit(_backend.sort_pairs)(jnp.asarray(d2), jnp.asarray(indices))
+    reference = _backend.sort_pairs_reference(jnp.asarray(d2), jnp.asarray(indices))
+    for a, b in zip(ours, reference, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for row in range(4):
+        expected = sorted(zip(d2[row], indices[row]))
+        np.testing.assert_array_equal(ours[0][row], [e[0] for e in expected])
+        np.testing.assert_array_equal(ours[1][row], [e[1] for e in expected])

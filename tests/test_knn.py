@@ -8,9 +8,11 @@ import kdeqx
 
 from .helpers import (
     assert_knn_correct,
+    count_equations,
     DATASETS,
     DTYPES,
     jit_query,
+    lattice,
     lattice_queries,
     x64_off,
 )
@@ -186,3 +188,33 @@ def test_distances_are_the_ranked_ones(dtype):
     recomputed = np.linalg.norm(x.astype(np.float64)[:, None] - rows, axis=-1)
     eps = np.finfo(dtype).eps
     np.testing.assert_allclose(distances, recomputed, rtol=4 * eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [33, 100, 257])
+def test_large_k_matches_brute_force(k, dtype):
+    # Beyond 32 neighbours the k best are kept by bitonic networks, not ranks.
+    rng = np.random.default_rng(k)
+    points = lattice(rng, 600, 3).astype(dtype)  # exact distances, ties everywhere
+    x = lattice_queries(rng, 30, 3, side=9).astype(dtype)
+    distances, indices = jit_query(kdeqx.KDTree(points), x, k)
+    assert_knn_correct(points, x, k, distances, indices, exact_ties=True)
+
+
+def test_k_far_beyond_n_costs_what_k_equal_n_costs():
+    rng = np.random.default_rng(0)
+    points, x = rng.random((40, 2)).astype(np.float32), rng.random((6, 2))
+    tree = kdeqx.KDTree(points)
+    distances, indices = jit_query(tree, x.astype(np.float32), 10**5)
+    assert distances.shape == indices.shape == (6, 10**5)
+    assert_knn_correct(
+        points, x, 40, distances[:, :40], indices[:, :40], exact_ties=False
+    )
+    assert np.all(np.isinf(distances[:, 40:])) and np.all(indices[:, 40:] == 40)
+
+    def program_size(k):
+        jaxpr = jax.make_jaxpr(lambda t, x: t.query(x, k))(tree, x.astype(np.float32))
+        return count_equations(jaxpr.jaxpr)
+
+    # The same search as k = n, then sentinels appended: a few equations more.
+    assert program_size(10**5) <= program_size(40) + 10

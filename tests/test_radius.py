@@ -43,18 +43,22 @@ def test_count_with_a_scalar_radius_and_single_query():
     )  # the closed ball holds its centre
 
 
+@pytest.mark.parametrize("capacity", [12, 100, 1000])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_query_ball_point_returns_the_nearest_within_r(dtype):
+def test_query_ball_point_returns_the_nearest_within_r(dtype, capacity):
+    # Capacities beyond 32 keep the nearest by bitonic networks; beyond n, only n.
     rng = np.random.default_rng(1)
     points = rng.random((800, 3)).astype(dtype)
     x = rng.random((40, 3)).astype(dtype)
-    r = (rng.random(40) * 0.25).astype(dtype)
-    distances, indices, counts = kdeqx.KDTree(points).query_ball_point(x, r, 12)
+    r = (rng.random(40) * (0.25 if capacity == 12 else 0.7)).astype(dtype)
+    tree = kdeqx.KDTree(points)
+    distances, indices, counts = tree.query_ball_point(x, r, capacity)
+    assert indices.shape == (40, capacity)
     inside, d = _brute_ball(points.astype(np.float64), x.astype(np.float64), r)
     reference = cKDTree(points).query_ball_point(x, r)
     for q in range(40):
         assert counts[q] == len(inside[q]) == len(reference[q])
-        order = inside[q][np.lexsort((inside[q], d[q, inside[q]]))][:12]
+        order = inside[q][np.lexsort((inside[q], d[q, inside[q]]))][:capacity]
         m = len(order)
         np.testing.assert_array_equal(indices[q, :m], order)
         assert (np.asarray(indices[q, m:]) == 800).all()

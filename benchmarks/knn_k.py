@@ -1,0 +1,76 @@
+"""kNN against k, side by side with the native trees, cores matched.
+
+    python benchmarks/knn_k.py [--n 1e5] [--queries 1e4] [--k 8 32 128 512]
+
+For each k: kdeqx, scipy's cKDTree with workers=1 and workers=-1, and pykdtree (if
+installed, `pip install -e ".[bench]"`), on the same data in one process, best of
+`--repeats`, first with every core and then with the whole process pinned to core 0
+(as `taskset -c 0`). Ratios are to the best native tree in the same setting.
+"""
+
+import argparse
+
+import equinox as eqx
+import jax
+import numpy as np
+from _timing import best_of, core_settings, cores
+from scipy.spatial import cKDTree
+
+import kdeqx
+
+
+def native_trees(points):
+    """The native peers as `name -> query(x, k)`."""
+    reference = cKDTree(points)
+    peers = {
+        "scipy w=1": lambda x, k: reference.query(x, k, workers=1),
+        "scipy w=-1": lambda x, k: reference.query(x, k, workers=-1),
+    }
+    try:
+        from pykdtree.kdtree import KDTree as PyKDTree
+    except ImportError:
+        return peers
+    pykd = PyKDTree(points)
+    peers["pykdtree"] = lambda x, k: pykd.query(x, k=k)
+    return peers
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=float, default=1e5)
+    parser.add_argument("--queries", type=float, default=1e4)
+    parser.add_argument("--k", type=int, nargs="+", default=[8, 32, 128, 512])
+    parser.add_argument("--d", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    points = rng.random((int(args.n), args.d)).astype(np.float32)
+    x = rng.random((int(args.queries), args.d)).astype(np.float32)
+    print(
+        f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; n = "
+        f"{len(points):,}, Q = {len(x):,}, d = {args.d}, float32 uniform"
+    )
+    tree = kdeqx.KDTree(points)
+    query = eqx.filter_jit(lambda t, x, k: t.query(x, k))
+    peers = native_trees(points)
+    for k in args.k:
+        distances, _ = jax.block_until_ready(query(tree, x, k))  # compiled here
+        exact = np.allclose(distances, peers["scipy w=1"](x, k)[0], rtol=1e-5)
+        for label, which in core_settings():
+            with cores(which):
+                ours = best_of(lambda: query(tree, x, k), args.repeats)
+                theirs = {
+                    name: best_of(lambda q=q: q(x, k), args.repeats)
+                    for name, q in peers.items()
+                }
+            best_native = min(theirs.values())
+            row = " ".join(f"{name} {t:7.4f}s" for name, t in theirs.items())
+            print(
+                f"k={k:<4} {label:>8} | kdeqx {ours:7.4f}s ({ours / best_native:5.2f}x "
+                f"best native) | {row} | exact {exact}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
