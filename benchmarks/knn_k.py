@@ -1,11 +1,14 @@
 """kNN against k, side by side with the native trees, cores matched.
 
     python benchmarks/knn_k.py [--n 1e5] [--queries 1e4] [--k 8 32 128 512]
+        [--data uniform clustered] [--cpu-devices 2]
 
 For each k: kdeqx, scipy's cKDTree with workers=1 and workers=-1, and pykdtree (if
 installed, `pip install -e ".[bench]"`), on the same data in one process, best of
 `--repeats`, first with every core and then with the whole process pinned to core 0
 (as `taskset -c 0`). Ratios are to the best native tree in the same setting.
+`--cpu-devices N` gives JAX N CPU devices, over which kdeqx splits the queries (the
+default: one, as JAX starts).
 """
 
 import argparse
@@ -35,6 +38,16 @@ def native_trees(points):
     return peers
 
 
+def uniform(rng, n, d):
+    return rng.random((n, d))
+
+
+def clustered(rng, n, d):
+    """64 tight blobs (the queries, uniform, fall mostly between them)."""
+    centres = rng.random((64, d))
+    return centres[rng.integers(0, 64, n)] + 0.01 * rng.standard_normal((n, d))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=float, default=1e5)
@@ -42,13 +55,23 @@ def main():
     parser.add_argument("--k", type=int, nargs="+", default=[8, 32, 128, 512])
     parser.add_argument("--d", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--data", nargs="+", default=["uniform"])
+    parser.add_argument("--cpu-devices", type=int, default=1)
     args = parser.parse_args()
+    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    for data in args.data:
+        run(args, data)
+
+
+def run(args, data):
     rng = np.random.default_rng(0)
-    points = rng.random((int(args.n), args.d)).astype(np.float32)
+    make = {"uniform": uniform, "clustered": clustered}[data]
+    points = make(rng, int(args.n), args.d).astype(np.float32)
     x = rng.random((int(args.queries), args.d)).astype(np.float32)
     print(
-        f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}; n = "
-        f"{len(points):,}, Q = {len(x):,}, d = {args.d}, float32 uniform"
+        f"{jax.device_count()} x {jax.devices()[0].device_kind}, jax "
+        f"{jax.__version__}; n = {len(points):,}, Q = {len(x):,}, d = {args.d}, "
+        f"float32 {data}"
     )
     tree = kdeqx.KDTree(points)
     query = eqx.filter_jit(lambda t, x, k: t.query(x, k))

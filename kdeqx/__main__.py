@@ -1,6 +1,7 @@
 """The demo: `python -m kdeqx` builds a tree, queries it, and compares with scipy."""
 
 import argparse
+import os
 import sys
 import time
 
@@ -39,8 +40,20 @@ def _timed(label, fn):
     return out, seconds
 
 
+def _one_cpu_device_per_core() -> None:
+    """One CPU device per core, before JAX starts its backend: a `KDTree` then splits
+    large query batches over them, each walked by its own lanes (~1.7x faster than
+    one device's intra-op threads on 2 cores). A script sets this, not a library."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    try:
+        jax.config.update("jax_num_cpu_devices", cores or os.cpu_count() or 1)
+    except RuntimeError:  # JAX already started (the demo called from Python)
+        pass
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
+    _one_cpu_device_per_core()
     if args.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
     n, q, k, d = int(args.n), int(args.queries), args.k, args.d
@@ -48,7 +61,10 @@ def main(argv=None) -> int:
     points = rng.random((n, d)).astype(args.dtype)
     x = rng.random((q, d)).astype(args.dtype)
     print(f"kdeqx demo: n={n:,} points, {q:,} queries, k={k}, d={d}, {args.dtype}")
-    print(f"  on {jax.devices()[0].device_kind} ({jax.default_backend()})")
+    print(
+        f"  on {jax.device_count()} x {jax.devices()[0].device_kind} "
+        f"({jax.default_backend()})"
+    )
 
     build = eqx.filter_jit(KDTree)
     query = eqx.filter_jit(lambda tree, x: tree.query(x, k))
@@ -70,7 +86,8 @@ def main(argv=None) -> int:
         return 0
     reference, scipy_build = _timed("scipy cKDTree build", lambda: cKDTree(points))
     (ref_d, ref_i), scipy_query = _timed(
-        "scipy query (workers=1)", lambda: reference.query(x, k, workers=1)
+        "scipy query (workers=-1, every core)",
+        lambda: reference.query(x, k, workers=-1),
     )
     ref_d = ref_d.reshape(q, k)
     same_distances = np.allclose(

@@ -1,17 +1,23 @@
-"""Queries split over a mesh with explicit axes (`jax.make_mesh`'s default).
+"""Queries split over devices: over a mesh with explicit axes, and over the CPU's
+devices.
 
-On such a mesh every array's type carries its sharding, and a gather from a replicated
-array (the tree) by indices split over the mesh (one per query) has no unambiguous
-sharding: JAX refuses to trace it. A query's answers for one query depend on that
-query alone, though, so the walk runs with the mesh's axes made automatic, where the
-compiler keeps the queries split, and hands back its answers split like the queries.
+On a mesh with explicit axes (`jax.make_mesh`'s default) every array's type carries its
+sharding, and a gather from a replicated array (the tree) by indices split over the mesh
+(one per query) has no unambiguous sharding: JAX refuses to trace it. A query's answers
+depend on that query alone, though, so the walk runs with the mesh's axes made
+automatic, where the compiler keeps the queries split, and hands back its answers split
+like the queries.
 """
 
 import functools as ft
+import math
 
 import equinox as eqx
 import jax
-from jax.sharding import AxisType, PartitionSpec
+import jax.core
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 
 def _explicit_mesh(tree):
@@ -53,3 +59,76 @@ def split_like_queries(fn):
             )
 
     return split
+
+
+def split_over_cpu_devices(fn):
+    """Wraps `fn(tree, queries, threshold, *config)`, whose outputs lead with the batch
+    axes of `queries`, so that the queries are split over the CPU's devices.
+
+    XLA:CPU runs one program with a few intra-op threads; several CPU devices (set
+    with `jax.config.update("jax_num_cpu_devices", N)` before JAX starts) each walk
+    their share of the queries with lanes of their own, and nothing is communicated
+    but the queries and the answers. With one device, a tree whose `split_queries` is
+    off, queries already split or inside a mesh, or too few queries, it is `fn`.
+    `threshold` is a scalar or one per query.
+    """
+
+    @ft.wraps(fn)
+    def split(tree, x, threshold, *config):
+        devices = _cpu_devices_for(tree, x)
+        if len(devices) < 2:
+            return fn(tree, x, threshold, *config)
+        mesh = Mesh(np.array(devices), ("cpu",))
+        batch = x.shape[:-1]
+        q = math.prod(batch)
+        # Whole blocks per device: the last query repeated, its answers dropped.
+        padded = ft.partial(_padded_rows, rows=q + (-q) % len(devices))
+        x = padded(x.reshape(q, x.shape[-1]))
+        per_query = jnp.ndim(threshold) > 0
+        if per_query:
+            threshold = padded(threshold.reshape(q))
+        queries, shared = PartitionSpec("cpu"), PartitionSpec()
+        specs = (shared, queries, queries if per_query else shared)
+        placed = [
+            jax.device_put(a, NamedSharding(mesh, spec))
+            for a, spec in zip((tree, x, threshold), specs, strict=True)
+        ]
+        answers = jax.shard_map(
+            lambda t, x, th: fn(t, x, th, *config),
+            mesh=mesh,
+            in_specs=specs,
+            out_specs=queries,
+            # The trees' own checks (`eqx.error_if`) are host callbacks, whose results
+            # JAX cannot prove the same on every device.
+            check_vma=False,
+        )(*placed)
+        return jax.tree.map(lambda a: a[:q].reshape(*batch, *a.shape[1:]), answers)
+
+    return split
+
+
+def _padded_rows(array, rows: int):
+    missing = rows - array.shape[0]
+    if missing == 0:
+        return array
+    last = jnp.broadcast_to(array[-1:], (missing, *array.shape[1:]))
+    return jnp.concatenate([array, last])
+
+
+# Fewer queries per device than this are answered on one device.
+_MIN_QUERIES_PER_DEVICE = 256
+
+
+def _cpu_devices_for(tree, x) -> list:
+    """The CPU devices to split the queries `x` over (none: do not split)."""
+    if not getattr(tree, "split_queries", False) or jax.default_backend() != "cpu":
+        return []
+    devices = jax.devices()
+    q = math.prod(x.shape[:-1])
+    if len(devices) < 2 or q < _MIN_QUERIES_PER_DEVICE * len(devices):
+        return []
+    if not jax.sharding.get_abstract_mesh().empty or _explicit_mesh((tree, x)):
+        return []  # inside `shard_map` or a mesh of the user's: theirs to split
+    if not isinstance(x, jax.core.Tracer) and len(x.sharding.device_set) > 1:
+        return []  # already split by the user
+    return devices

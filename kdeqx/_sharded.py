@@ -226,12 +226,15 @@ def _build(
     (replicated)."""
     blocks, rest = _split_rows(points, mesh.shape[axis_name])
     replicate = ft.partial(jax.device_put, device=NamedSharding(mesh, PartitionSpec()))
-    leftover = replicate(KDTree(replicate(rest), box=period, leaf_size=leaf_size))
+    leftover = KDTree(
+        replicate(rest), box=period, leaf_size=leaf_size, split_queries=False
+    )
+    leftover = replicate(leftover)
     if blocks.shape[1] == 0:
         return None, leftover
 
     def build_on_device(block, period):
-        local = KDTree(block[0], box=period, leaf_size=leaf_size)
+        local = KDTree(block[0], box=period, leaf_size=leaf_size, split_queries=False)
         return jax.tree.map(lambda a: a[None], local)
 
     sharded, replicated = PartitionSpec(axis_name), PartitionSpec()

@@ -23,7 +23,7 @@ from ._custom_types import (
     Queries,
     Threshold,
 )
-from ._mesh import split_like_queries
+from ._mesh import split_like_queries, split_over_cpu_devices
 from ._validate import (
     as_float_array,
     as_period,
@@ -263,6 +263,7 @@ class KDTree(AbstractKDTree):
     period: Float[Array, " d"] | None
     scale: Float[Array, ""]
     leaf_size: int = eqx.field(static=True)
+    split_queries: bool = eqx.field(static=True)
 
     checks_traced_inputs: ClassVar[bool] = True
 
@@ -272,6 +273,7 @@ class KDTree(AbstractKDTree):
         *,
         box: None | float | ArrayLike = None,
         leaf_size: int = 32,
+        split_queries: bool = True,
     ):
         """**Arguments:**
 
@@ -289,6 +291,14 @@ class KDTree(AbstractKDTree):
         - `leaf_size`: points per leaf bucket (static Python int, a power of two,
             default 32, the fastest we measured for 3-D kNN on CPU). Larger leaves
             make a shallower tree and more brute-force work per visited leaf.
+        - `split_queries`: on a CPU with several devices (for example after
+            `jax.config.update("jax_num_cpu_devices", os.cpu_count())`, set before
+            JAX starts), split every batch of at least 256 queries per device over
+            them: each device walks its share with its own lanes, nothing else is
+            communicated, and the answers are the same. On 2 cores that made kNN
+            queries ~1.7x faster than one device's intra-op threads. `False` keeps
+            queries on one device; queries that are already split, or inside a mesh
+            or `shard_map` of the caller's, are never split again.
         """
         points = check_points("points", points)
         leaf_size = check_leaf_size(leaf_size)
@@ -299,6 +309,7 @@ class KDTree(AbstractKDTree):
         self.points = points
         self.period = period
         self.leaf_size = leaf_size
+        self.split_queries = bool(split_queries)
 
     @property
     def n(self) -> int:
@@ -317,16 +328,17 @@ class KDTree(AbstractKDTree):
         return self.leaf_points.shape[-2] // self.leaf_size
 
     def _knn(self, x, bound, k):
-        return _knn.knn(self, x, bound, k)
+        return split_over_cpu_devices(_knn.knn)(self, x, bound, k)
 
     def _count(self, x, r):
-        return _radius.count_ball_point(self, x, r)
+        return split_over_cpu_devices(_radius.count_ball_point)(self, x, r)
 
     def _collect(self, x, r, max_neighbors):
-        return _radius.query_ball_point(self, x, r, max_neighbors)
+        collect = split_over_cpu_devices(_radius.query_ball_point)
+        return collect(self, x, r, max_neighbors)
 
     def _knn_rows(self, x, k, values):
-        distances, indices = _knn.knn(self, x, jnp.asarray(jnp.inf, x.dtype), k)
+        distances, indices = self._knn(x, jnp.asarray(jnp.inf, x.dtype), k)
         return distances, indices, _rows_at(values, indices)
 
 

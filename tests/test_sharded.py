@@ -58,6 +58,7 @@ _SHARED = (
     "sharded_tree",
     "sharded_communication",
     "sharded_ball_and_interpolator",
+    "cpu_split",
 )
 
 
@@ -178,6 +179,10 @@ def test_sharded_tree_communicates_only_candidates(shared_checks):
 
 def test_sharded_ball_queries_and_interpolator_match_one_tree(shared_checks):
     _assert_passed(shared_checks, "sharded_ball_and_interpolator")
+
+
+def test_queries_split_over_cpu_devices_match_one_device(shared_checks):
+    _assert_passed(shared_checks, "cpu_split")
 
 
 def test_jit_over_split_queries(shared_checks):
@@ -485,6 +490,54 @@ def check_sharded_ball_and_interpolator():
         ball_distances(x, sharded), ball_distances(x, tree), atol=1e-5
     )
     print("query_ball_point: candidates gathered, counts reduced; gradients equal")
+
+
+def check_cpu_split():
+    """A `KDTree` on a CPU with 4 devices splits large query batches over them, with
+    the answers and gradients of one device, eagerly, under `jit` and under `vmap`."""
+    import kdeqx
+
+    rng = np.random.default_rng(7)
+    points = rng.random((3000, 3)).astype(np.float32)
+    x = rng.random((1001 * 3, 3)).astype(np.float32).reshape(1001, 3, 3)  # padded
+    bounds = rng.choice([np.inf, 0.05], x.shape[:-1]).astype(np.float32)
+    radii = rng.uniform(0, 0.1, x.shape[:-1]).astype(np.float32)
+    values = rng.standard_normal((3000, 2)).astype(np.float32)
+    split = kdeqx.KDTree(points)
+    one = kdeqx.KDTree(points, split_queries=False)
+
+    def answers(t, x):
+        return (
+            t.query(x, 5, distance_upper_bound=bounds),
+            t.query(x, 40),
+            t.count_ball_point(x, radii),
+            t.query_ball_point(x, radii, 8),
+            t.query_ball_point(x, 0.1, 64),
+            t.interpolate(x, values, k=4),
+        )
+
+    ours, reference = jax.jit(answers)(split, x), jax.jit(answers)(one, x)
+    _assert_same(ours[:5], reference[:5])
+    _assert_same(ours[5], reference[5], exact=False)
+    distances = ours[0][0]
+    assert len(distances.sharding.device_set) == NUM_DEVICES, distances.sharding
+    assert len(reference[0][0].sharding.device_set) == 1
+    _assert_same(split.query(x, 5), one.query(x, 5))  # eagerly
+    # Too few queries to be worth splitting: one device.
+    small = split.query(x[:10], 5)[0]
+    assert len(small.sharding.device_set) == 1, small.sharding
+
+    def loss(x, t):
+        return t.query(x, 5)[0].sum() + t.interpolate(x, values, k=4).sum()
+
+    grad = jax.jit(jax.grad(loss))
+    np.testing.assert_allclose(grad(x, split), grad(x, one), rtol=1e-5, atol=1e-6)
+    stacked = np.stack([points, points[::-1]])
+    trees = jax.vmap(kdeqx.KDTree)(stacked)
+    trees_one = jax.vmap(ft.partial(kdeqx.KDTree, split_queries=False))(stacked)
+    batched = jax.vmap(lambda t: t.query(x, 5))
+    _assert_same(batched(trees), batched(trees_one))
+    print("cpu split: answers, gradients and vmap equal to one device")
 
 
 if __name__ == "__main__":
