@@ -254,6 +254,8 @@ class KDTree(AbstractKDTree):
     built without gradient.
     """
 
+    checks_traced_inputs: ClassVar[bool] = True
+
     points: Float[Array, "n d"]
     leaf_points: Float[Array, "slots d"]
     leaf_indices: Int[Array, " slots"]
@@ -264,8 +266,6 @@ class KDTree(AbstractKDTree):
     scale: Float[Array, ""]
     leaf_size: int = eqx.field(static=True)
     split_queries: bool = eqx.field(static=True)
-
-    checks_traced_inputs: ClassVar[bool] = True
 
     def __init__(
         self,
