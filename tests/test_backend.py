@@ -154,7 +154,9 @@ def test_gather_clamped_clamps_out_of_range_indices():
 
 
 def test_lane_count_per_backend():
-    assert _backend.lane_count(64, "cpu") == _backend.CPU_LANES
+    assert _backend.lane_count(64, "cpu") == _backend.CPU_LANES  # k = 8
+    assert _backend.lane_count(128 * 8, "cpu") == 128  # k = 128: cache-sized
+    assert _backend.lane_count(2**20, "cpu") == 64  # a floor
     for state_bytes in (1, 64, 4096, 2**40):
         lanes = _backend.lane_count(state_bytes, "gpu")
         assert lanes & (lanes - 1) == 0  # a power of two

@@ -193,10 +193,11 @@ def test_distances_are_the_ranked_ones(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [33, 100, 257])
 def test_large_k_matches_brute_force(k, dtype):
-    # Beyond 32 neighbours the k best are kept by bitonic networks, not ranks.
+    # Beyond 16 neighbours the k best are kept by bitonic networks, not ranks, and
+    # fewer lanes (64-128 here) take turns over the 300 queries.
     rng = np.random.default_rng(k)
     points = lattice(rng, 600, 3).astype(dtype)  # exact distances, ties everywhere
-    x = lattice_queries(rng, 30, 3, side=9).astype(dtype)
+    x = lattice_queries(rng, 300, 3, side=9).astype(dtype)
     distances, indices = jit_query(kdeqx.KDTree(points), x, k)
     assert_knn_correct(points, x, k, distances, indices, exact_ties=True)
 

@@ -46,7 +46,8 @@ def test_count_with_a_scalar_radius_and_single_query():
 @pytest.mark.parametrize("capacity", [12, 100, 1000])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_query_ball_point_returns_the_nearest_within_r(dtype, capacity):
-    # Capacities beyond 32 keep the nearest by bitonic networks; beyond n, only n.
+    # Capacities beyond 16 collect, then sort (or keep the nearest by bitonic networks
+    # when a query overflows); beyond n, only n.
     rng = np.random.default_rng(1)
     points = rng.random((800, 3)).astype(dtype)
     x = rng.random((40, 3)).astype(dtype)
