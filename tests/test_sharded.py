@@ -532,6 +532,11 @@ def check_cpu_split():
 
     grad = jax.jit(jax.grad(loss))
     np.testing.assert_allclose(grad(x, split), grad(x, one), rtol=1e-5, atol=1e-6)
+    # The tree is replicated into the split: its cotangents are summed back.
+    grad_points = eqx.filter_jit(eqx.filter_grad(lambda t, x: loss(x, t)))
+    np.testing.assert_allclose(
+        grad_points(split, x).points, grad_points(one, x).points, rtol=1e-4, atol=1e-4
+    )
     stacked = np.stack([points, points[::-1]])
     trees = jax.vmap(kdeqx.KDTree)(stacked)
     trees_one = jax.vmap(ft.partial(kdeqx.KDTree, split_queries=False))(stacked)
