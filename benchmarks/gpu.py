@@ -1,10 +1,12 @@
 """The GPU check: the seed user's size on one accelerator, against brute force there.
 
-    python benchmarks/gpu.py [--n 1.4e7] [--queries 1e6] [--k 8]
+    python benchmarks/gpu.py [--n 1.4e7] [--queries 1e6] [--k 8] [--small-n 1e6]
 
 Builds a tree over n uniform 3-D float32 points, answers Q queries, and times both
 beside a chunked brute-force kNN (distance matrix + `lax.top_k`) on the same device,
-checking that both agree. Run it once per device session and paste the output into
+checking that both agree. Then, at `--small-n` points and Q / 10 queries: kNN at d = 8
+and kNN with k = 128, each against brute force on a subset. Prints the lane count the
+backend chose. Run it once per device session and paste the output into
 `benchmarks/RESULTS.md`. (jaxkd is compared only where it is installed.)
 """
 
@@ -45,6 +47,7 @@ def main():
     parser.add_argument("--queries", type=float, default=1e6)
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--brute-queries", type=float, default=1e4)
+    parser.add_argument("--small-n", type=float, default=1e6)
     args = parser.parse_args()
     n, q, k = int(args.n), int(args.queries), args.k
     device = jax.devices()[0]
@@ -81,10 +84,36 @@ def main():
     )
     print(f"distances agree with brute force: {agree}")
 
+    small_n, small_q = int(args.small_n), max(1000, q // 10)
+    for d, kk in ((8, k), (3, 128)):
+        against_brute_force(small_n, small_q, d, kk, qb)
+
     try:
         import jaxkd  # noqa: F401
     except ImportError:
         print("jaxkd: not installed, not compared")
+
+
+def against_brute_force(n, q, d, k, brute_queries):
+    """kNN at another size, dimension or k: steady query time, beside brute force."""
+    from kdeqx._backend import lane_count
+
+    key_points, key_queries = jax.random.split(jax.random.key(d * 1000 + k))
+    points = jax.random.uniform(key_points, (n, d), jnp.float32)
+    x = jax.random.uniform(key_queries, (q, d), jnp.float32)
+    tree = eqx.filter_jit(kdeqx.KDTree)(points)
+    query = eqx.filter_jit(lambda tree, x: tree.query(x, k))
+    (distances, _), query_time = timed(lambda: query(tree, x))
+    qb = min(q, brute_queries)
+    (bd, _), brute_time = timed(lambda: brute_force(points, x[:qb], k, 100), repeats=1)
+    agree = np.allclose(
+        np.asarray(distances[:qb]), np.asarray(bd), rtol=1e-3, atol=1e-4
+    )
+    print(
+        f"n={n:,} Q={q:,} d={d} k={k} ({lane_count(8 * k)} lanes): query "
+        f"{query_time:.4f} s; brute force {brute_time * q / qb:.2f} s for Q; "
+        f"agree: {agree}"
+    )
 
 
 if __name__ == "__main__":
