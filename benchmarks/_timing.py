@@ -58,3 +58,24 @@ def core_settings():
     import os
 
     return [(f"{len(os.sched_getaffinity(0))} cores", None), ("1 core", [0])]
+
+
+def matched(implementations, repeats):
+    """Per core setting, `(label, ours, best native, row)`: every implementation
+    (`name -> fn`, ours named "kdeqx") timed best of `repeats` with those cores."""
+    for label, which in core_settings():
+        with cores(which):
+            times = {name: best_of(fn, repeats) for name, fn in implementations.items()}
+        ours = times.pop("kdeqx")
+        row = " ".join(f"{name} {t:7.4f}s" for name, t in times.items())
+        yield label, ours, min(times.values()), row
+
+
+def print_matched(title, implementations, repeats, suffix=""):
+    """One line per core setting: ours, its ratio to the best native, every peer."""
+    for label, ours, best, row in matched(implementations, repeats):
+        print(
+            f"{title} {label:>8} | kdeqx {ours:7.4f}s ({ours / best:5.2f}x best native)"
+            f" | {row}{suffix}",
+            flush=True,
+        )

@@ -12,11 +12,12 @@ default: one, as JAX starts).
 """
 
 import argparse
+import functools as ft
 
 import equinox as eqx
 import jax
 import numpy as np
-from _timing import best_of, core_settings, cores
+from _timing import print_matched
 from scipy.spatial import cKDTree
 
 import kdeqx
@@ -79,20 +80,9 @@ def run(args, data):
     for k in args.k:
         distances, _ = jax.block_until_ready(query(tree, x, k))  # compiled here
         exact = np.allclose(distances, peers["scipy w=1"](x, k)[0], rtol=1e-5)
-        for label, which in core_settings():
-            with cores(which):
-                ours = best_of(lambda: query(tree, x, k), args.repeats)
-                theirs = {
-                    name: best_of(lambda q=q: q(x, k), args.repeats)
-                    for name, q in peers.items()
-                }
-            best_native = min(theirs.values())
-            row = " ".join(f"{name} {t:7.4f}s" for name, t in theirs.items())
-            print(
-                f"k={k:<4} {label:>8} | kdeqx {ours:7.4f}s ({ours / best_native:5.2f}x "
-                f"best native) | {row} | exact {exact}",
-                flush=True,
-            )
+        implementations = {"kdeqx": lambda: query(tree, x, k)}
+        implementations.update({name: ft.partial(q, x, k) for name, q in peers.items()})
+        print_matched(f"k={k:<4}", implementations, args.repeats, f" | exact {exact}")
 
 
 if __name__ == "__main__":

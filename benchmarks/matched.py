@@ -14,7 +14,7 @@ import argparse
 import equinox as eqx
 import jax
 import numpy as np
-from _timing import best_of, core_settings, cores
+from _timing import print_matched
 from interpolate import K, POWER, radius_for_mean_count, scipy_idw
 from scipy.spatial import cKDTree
 
@@ -86,20 +86,7 @@ def main():
     for name, implementations in tasks(points, x, values, r).items():
         for fn in implementations.values():
             jax.block_until_ready(fn())  # compiled, warm
-        for label, which in core_settings():
-            with cores(which):
-                times = {
-                    impl: best_of(fn, args.repeats)
-                    for impl, fn in implementations.items()
-                }
-            ours = times.pop("kdeqx")
-            best = min(times.values())
-            row = " ".join(f"{impl} {t:7.4f}s" for impl, t in times.items())
-            print(
-                f"{name:<8} {label:>8} | kdeqx {ours:7.4f}s ({ours / best:5.2f}x best "
-                f"native) | {row}",
-                flush=True,
-            )
+        print_matched(f"{name:<8}", implementations, args.repeats)
 
 
 if __name__ == "__main__":
