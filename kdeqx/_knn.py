@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from ._backend import lexicographic_less
 from ._custom_types import Array, Bool, Float, Int, Neighbours, Queries, Threshold
 from ._merge import merge_k_best
-from ._mesh import split_like_queries
+from ._mesh import split_like_queries, split_over_cpu_devices
 from ._search import found_distances, search
 from ._traverse import AbstractVisitor
 
@@ -46,6 +46,7 @@ class _KNearest(AbstractVisitor):
         return merge_k_best(best_d2, best_indices, d2, indices)
 
 
+@split_over_cpu_devices
 @eqx.filter_jit
 @split_like_queries
 def knn(tree: "KDTree", x: Queries, bound: Threshold, k: int) -> Neighbours:

@@ -121,7 +121,7 @@ _MIN_QUERIES_PER_DEVICE = 256
 
 def _cpu_devices_for(tree, x) -> list:
     """The CPU devices to split the queries `x` over (none: do not split)."""
-    if not getattr(tree, "split_queries", False) or jax.default_backend() != "cpu":
+    if not tree.split_queries or jax.default_backend() != "cpu":
         return []
     devices = jax.devices()
     q = math.prod(x.shape[:-1])

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from ._backend import sort_pairs
 from ._custom_types import Array, Ball, Bool, Float, Int, Queries, Threshold
 from ._merge import merge_k_best, RANK_MERGE_MAX_K
-from ._mesh import split_like_queries
+from ._mesh import split_like_queries, split_over_cpu_devices
 from ._search import found_distances, search
 from ._traverse import AbstractVisitor
 
@@ -34,8 +34,10 @@ class _BallCount(AbstractVisitor):
         return state + jnp.sum(d2 <= self.r2, dtype=self.count_dtype)
 
 
-class _BallNearest(AbstractVisitor):
-    """Counts the points with `d2 <= r2` and keeps the `k` nearest of them.
+class _BallCollect(AbstractVisitor):
+    """Counts the points with `d2 <= r2` and keeps `k` of them: the nearest, merged as
+    the walk goes (`nearest=True`), or the first found, unordered, in `O(leaf)` work
+    per leaf whatever `k`.
 
     Empty entries are `(r2, max index)`, so a point exactly at distance `r` (a tie
     with the empty entry at a lower index) does enter: the ball is closed.
@@ -44,12 +46,12 @@ class _BallNearest(AbstractVisitor):
     k: int = eqx.field(static=True)
     r2: Float[Array, ""]
     index_dtype: jnp.dtype = eqx.field(static=True)
+    nearest: bool = eqx.field(static=True)
 
     def init(self):
-        empty = jnp.iinfo(self.index_dtype).max
         return (
             jnp.full((self.k,), self.r2),
-            jnp.full((self.k,), empty, self.index_dtype),
+            jnp.full((self.k,), jnp.iinfo(self.index_dtype).max, self.index_dtype),
             jnp.zeros((), self.index_dtype),
         )
 
@@ -57,46 +59,27 @@ class _BallNearest(AbstractVisitor):
         return box_d2 <= self.r2
 
     def visit_leaf(self, state, d2, indices):
-        best_d2, best_indices, count = state
-        best_d2, best_indices = merge_k_best(best_d2, best_indices, d2, indices)
-        return best_d2, best_indices, count + jnp.sum(d2 <= self.r2, dtype=count.dtype)
+        kept_d2, kept_indices, count = state
+        inside = d2 <= self.r2
+        if self.nearest:
+            kept_d2, kept_indices = merge_k_best(kept_d2, kept_indices, d2, indices)
+        else:
+            # The found points go to the next free slots; the rest (and any beyond
+            # the `k` slots) are dropped.
+            slot = count + jnp.cumsum(inside, dtype=count.dtype) - 1
+            slot = jnp.where(inside, slot, self.k)
+            kept_d2 = kept_d2.at[slot].set(d2, mode="drop")
+            kept_indices = kept_indices.at[slot].set(indices, mode="drop")
+        return kept_d2, kept_indices, count + jnp.sum(inside, dtype=count.dtype)
 
 
+@split_over_cpu_devices
 @eqx.filter_jit
 @split_like_queries
 def count_ball_point(tree: "KDTree", x: Queries, r: Threshold) -> Int[Array, "*batch"]:
     """`tree.count_ball_point` on validated queries and radii."""
     counts, far = search(tree, x, r, lambda r2: _BallCount(r2, tree.leaf_indices.dtype))
     return jnp.where(far.beyond(far.distance <= r), 0, counts)
-
-
-class _BallAppend(AbstractVisitor):
-    """Counts the points with `d2 <= r2` and keeps the first `k` found, unordered:
-    `O(leaf)` work per leaf, whatever `k`.
-
-    Empty entries are `(r2, max index)`, as `_BallNearest`'s.
-    """
-
-    k: int = eqx.field(static=True)
-    r2: Float[Array, ""]
-    index_dtype: jnp.dtype = eqx.field(static=True)
-
-    def init(self):
-        return _BallNearest(self.k, self.r2, self.index_dtype).init()
-
-    def should_visit(self, state, box_d2, min_index) -> Bool[Array, ""]:
-        return box_d2 <= self.r2
-
-    def visit_leaf(self, state, d2, indices):
-        kept_d2, kept_indices, count = state
-        inside = d2 <= self.r2
-        # The found points go to the next free slots; the rest (and any beyond the
-        # `k` slots) are dropped.
-        slot = count + jnp.cumsum(inside, dtype=count.dtype) - 1
-        slot = jnp.where(inside, slot, self.k)
-        kept_d2 = kept_d2.at[slot].set(d2, mode="drop")
-        kept_indices = kept_indices.at[slot].set(indices, mode="drop")
-        return kept_d2, kept_indices, count + jnp.sum(inside, dtype=count.dtype)
 
 
 def _nearest_in_ball(tree: "KDTree", x: Queries, r: Threshold, capacity: int):
@@ -106,23 +89,24 @@ def _nearest_in_ball(tree: "KDTree", x: Queries, r: Threshold, capacity: int):
     nearest only if some query found more than `capacity`."""
     index_dtype = tree.leaf_indices.dtype
 
-    def keeping_the_nearest():
-        return search(tree, x, r, lambda r2: _BallNearest(capacity, r2, index_dtype))
+    def collecting(nearest: bool):
+        return search(
+            tree, x, r, lambda r2: _BallCollect(capacity, r2, index_dtype, nearest)
+        )
 
     if capacity <= RANK_MERGE_MAX_K:
-        return keeping_the_nearest()
-    (d2, indices, counts), far = search(
-        tree, x, r, lambda r2: _BallAppend(capacity, r2, index_dtype)
-    )
+        return collecting(nearest=True)
+    (d2, indices, counts), far = collecting(nearest=False)
     collected = (*sort_pairs(d2, indices), counts)
     states = lax.cond(
         jnp.any(counts > capacity),
-        lambda: keeping_the_nearest()[0],
+        lambda: collecting(nearest=True)[0],
         lambda: collected,
     )
     return states, far
 
 
+@split_over_cpu_devices
 @eqx.filter_jit
 @split_like_queries
 def query_ball_point(tree: "KDTree", x: Queries, r: Threshold, capacity: int) -> Ball:

@@ -93,23 +93,31 @@ def search(
     """
     batch = x.shape[:-1]
     threshold2 = search_radius2(tree, threshold)
+
+    def in_batch(states):
+        return jax.tree.map(lambda s: s.reshape(*batch, *s.shape[1:]), states)
+
     if tree.n == 0 or x.size == 0:
-        visitors = jax.vmap(make_visitor)(
-            jnp.broadcast_to(threshold2, batch).reshape(-1)
-        )
-        states = jax.vmap(lambda v: v.init())(visitors)
+        visitors = jax.vmap(make_visitor)(jnp.broadcast_to(threshold2, batch).ravel())
         nowhere = FarQueries(
             far=jnp.zeros(batch, bool), distance=jnp.full(batch, jnp.inf, x.dtype)
         )
+        return in_batch(jax.vmap(lambda v: v.init())(visitors)), nowhere
+    flat_x = x.reshape(-1, tree.d)
+    if threshold2.ndim == 0:
+        states = walk_many(tree, flat_x, make_visitor(threshold2), None)
     else:
-        flat_x = x.reshape(-1, tree.d)
-        if threshold2.ndim == 0:
-            states = walk_many(tree, flat_x, make_visitor(threshold2), None)
-        else:
-            states = walk_many(tree, flat_x, jax.vmap(make_visitor)(threshold2.ravel()))
-        nowhere = None
-    states = jax.tree.map(lambda s: s.reshape(*batch, *s.shape[1:]), states)
-    return states, far_queries(tree, x) if nowhere is None else nowhere
+        states = walk_many(tree, flat_x, jax.vmap(make_visitor)(threshold2.ravel()))
+    return in_batch(states), far_queries(tree, x)
+
+
+def rows_at(values: Array, indices: Int[Array, "*batch k"]) -> Array:
+    """`values[indices]` along the first axis, with some finite row (row 0, or zeros
+    when there is none) at the sentinel `len(values)`."""
+    n = values.shape[0]
+    if n == 0:
+        return jnp.zeros((*indices.shape, *values.shape[1:]), values.dtype)
+    return values[jnp.where(indices < n, indices, 0)]
 
 
 def neighbour_distances(
@@ -118,10 +126,8 @@ def neighbour_distances(
     """Differentiable distances to the chosen rows of `points`; `inf` at sentinels."""
     if tree.n == 0:
         return jnp.full(indices.shape, jnp.inf, x.dtype)
-    found = indices < tree.n
-    rows = tree.points[jnp.where(found, indices, 0)]
-    diff = minimum_image(x[..., None, :] - rows, tree.period)
-    return jnp.where(found, norm_without_overflow(diff), jnp.inf)
+    diff = minimum_image(x[..., None, :] - rows_at(tree.points, indices), tree.period)
+    return jnp.where(indices < tree.n, norm_without_overflow(diff), jnp.inf)
 
 
 def found_distances(

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._custom_types import Array, ArrayLike, Float, Int
+from ._search import rows_at
 from ._tree import AbstractKDTree, check_leaf_size, check_points, KDTree
 from ._validate import as_period, index_dtype_for
 
@@ -28,14 +29,6 @@ def _to_global(
     """Rows of one tree's points to rows of all points; its sentinel becomes `n`."""
     found = indices < local_n
     return jnp.where(found, indices.astype(dtype) + offset, n).astype(dtype)
-
-
-def _rows_at(block: Array, indices: Int[Array, "*batch k"]) -> Array:
-    """`block[indices]`, with some finite row where `indices` is the sentinel."""
-    local_n = block.shape[0]
-    if local_n == 0:
-        return jnp.zeros((*indices.shape, *block.shape[1:]), block.dtype)
-    return block[jnp.where(indices < local_n, indices, 0)]
 
 
 def _candidates_last(gathered: Array, batch_ndim: int) -> Array:
@@ -284,7 +277,7 @@ def _merged(
     def in_global_numbering(distances, local_indices, local_n, offset, value_rows):
         """One tree's candidates: global indices, and their rows of `values`."""
         indices = _to_global(local_indices, local_n, offset, n, index_dtype)
-        rows = None if value_rows is None else _rows_at(value_rows, local_indices)
+        rows = None if value_rows is None else rows_at(value_rows, local_indices)
         return distances, indices, rows
 
     def on_device(shards, leftover, x, threshold, value_blocks, value_rest):

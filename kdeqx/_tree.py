@@ -23,7 +23,8 @@ from ._custom_types import (
     Queries,
     Threshold,
 )
-from ._mesh import split_like_queries, split_over_cpu_devices
+from ._mesh import split_like_queries
+from ._search import rows_at
 from ._validate import (
     as_float_array,
     as_period,
@@ -328,18 +329,18 @@ class KDTree(AbstractKDTree):
         return self.leaf_points.shape[-2] // self.leaf_size
 
     def _knn(self, x, bound, k):
-        return split_over_cpu_devices(_knn.knn)(self, x, bound, k)
+        return _knn.knn(self, x, bound, k)
 
     def _count(self, x, r):
-        return split_over_cpu_devices(_radius.count_ball_point)(self, x, r)
+        return _radius.count_ball_point(self, x, r)
 
     def _collect(self, x, r, max_neighbors):
-        collect = split_over_cpu_devices(_radius.query_ball_point)
-        return collect(self, x, r, max_neighbors)
+        return _radius.query_ball_point(self, x, r, max_neighbors)
 
     def _knn_rows(self, x, k, values):
         distances, indices = self._knn(x, jnp.asarray(jnp.inf, x.dtype), k)
-        return distances, indices, _rows_at(values, indices)
+        # Split like the queries on an explicit mesh.
+        return distances, indices, split_like_queries(rows_at)(values, indices)
 
 
 def _findable(wanted: int, n: int) -> int:
@@ -363,13 +364,6 @@ def _padded(
         jnp.pad(distances, pad, constant_values=jnp.inf),
         jnp.pad(indices, pad, constant_values=n),
     )
-
-
-@split_like_queries
-def _rows_at(values: Array, indices: Int[Array, "*batch k"]) -> Array:
-    """`values[indices]`, with row 0 at the sentinel `n` (`values` has `n >= 1` rows),
-    split like the queries on an explicit mesh."""
-    return values[jnp.where(indices < values.shape[0], indices, 0)]
 
 
 def check_points(
