@@ -14,11 +14,18 @@ Equations that do not depend on the expansion variable are evaluated as they are
 their own primitives, so constants (weights, `jnp.eye`, integer index arithmetic) need
 no rule at all. Nonsmooth primitives (`max`, `abs`, `select_n`, comparisons, ...) use
 the piece that is active at the expansion point.
+
+Values of the form `sum_l f_l(s) A_l`, a few scalar series times constant arrays (a
+driven Hamiltonian `H0 + cos(t) H1`, or an MLP's last layer applied to a narrow hidden
+series), are kept in that factored form for as long as only linear operations and
+products with constants touch them: see [`_Factored`][]. [`taylor_expansion`][]
+returns them so; [`taylor_coefficients`][] always returns plain coefficient arrays.
 """
 
 import functools as ft
+import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex
@@ -51,6 +58,86 @@ def _all_affine(invals: Sequence[Any]) -> bool:
     return all(x.affine for x in invals if isinstance(x, _Series))
 
 
+# The most terms a factored value may have; beyond, it is expanded into coefficients.
+MAX_FACTORED_TERMS = 16
+
+
+class _Factored:
+    """An environment value `constant + sum_l scalars[l](s) * matrices[l]`: a constant
+    array plus a few scalar series times constant arrays.
+
+    `scalars` has shape `(J, K + 1)` (the normalised coefficients of each scalar
+    series), `matrices` shape `(J, *aval.shape)`, and `constant` is an array of the
+    value's shape or None. Products with constants act on the arrays only and linear
+    primitives term by term, so a generator such as `H0 + cos(t) H1` costs `O(J K)`
+    scalar and `O(J n^2)` array memory instead of `O(K n^2)`, and a consumer (the
+    operator recursion) can use the structure. Every constant lands in `constant`, so
+    `H0 + 0 + cos(t) H1` is still two terms.
+    """
+
+    __slots__ = ("scalars", "matrices", "constant")
+
+    def __init__(self, scalars: Array, matrices: Array, constant: Array | None = None):
+        self.scalars = scalars
+        self.matrices = matrices
+        self.constant = constant
+
+    @staticmethod
+    def of(series: "_Series") -> "_Factored":
+        """A series of `J` entries as `J` terms: entry `l`'s scalar series times the
+        `l`-th unit array."""
+        coeffs = series.coeffs
+        size = math.prod(coeffs.shape[1:])
+        scalars = coeffs.reshape(coeffs.shape[0], size).T
+        units = jnp.eye(size, dtype=coeffs.dtype).reshape((size,) + coeffs.shape[1:])
+        return _Factored(scalars, units)
+
+    @property
+    def num_terms(self) -> int:
+        return self.scalars.shape[1]
+
+    @property
+    def count(self) -> int:
+        """Terms, the constant counted as one."""
+        return self.scalars.shape[0] + (self.constant is not None)
+
+    @property
+    def complex_scalars(self) -> bool:
+        return jnp.iscomplexobj(self.scalars)
+
+    def constant_or_zeros(self) -> Array:
+        if self.constant is None:
+            return jnp.zeros_like(self.matrices[0])
+        return self.constant
+
+    def with_constant_as_term(self) -> "_Factored":
+        """The constant as one more term, with the unit series."""
+        if self.constant is None:
+            return self
+        unit = _with_first(jnp.ones((1,), self.scalars.dtype), self.num_terms).T
+        return _Factored(
+            jnp.concatenate([self.scalars, unit]),
+            jnp.concatenate([self.matrices, self.constant[None]]),
+        )
+
+    def coefficients(self) -> Array:
+        dtype = self.matrices.dtype
+        total = jnp.tensordot(self.scalars.T, self.matrices, axes=1).astype(dtype)
+        if self.constant is None:
+            return total
+        return total.at[0].add(self.constant.astype(dtype))
+
+    def value_at(self, m: int) -> Array:
+        dtype = self.matrices.dtype
+        total = jnp.tensordot(self.scalars[:, m], self.matrices, axes=1).astype(dtype)
+        if self.constant is None or m != 0:
+            return total
+        return total + self.constant.astype(dtype)
+
+    def expanded(self) -> "_Series":
+        return _Series(self.coefficients())
+
+
 # ----------------------------------------------------------------------------------
 # Coefficient-array helpers. Every array below has the coefficient axis first.
 # ----------------------------------------------------------------------------------
@@ -58,6 +145,8 @@ def _all_affine(invals: Sequence[Any]) -> bool:
 
 def _lift(x: Any, num_terms: int) -> Array:
     """Coefficients of `x`: a series as is, a constant with zero higher terms."""
+    if isinstance(x, _Factored):
+        return x.coefficients()
     if isinstance(x, _Series):
         return x.coeffs
     x = jnp.asarray(x)
@@ -66,6 +155,8 @@ def _lift(x: Any, num_terms: int) -> Array:
 
 def _primal(x: Any) -> Any:
     """Value at the expansion point."""
+    if isinstance(x, _Factored):
+        return x.value_at(0)
     return x.coeffs[0] if isinstance(x, _Series) else x
 
 
@@ -696,6 +787,158 @@ _RULES: dict[str, Callable[[jex.JaxprEqn, Sequence[Any]], list[Any]]] = {
     "cond": _cond_rule,
 }
 
+
+# ----------------------------------------------------------------------------------
+# Rules that keep values factored. Each returns None when it does not apply, and the
+# equation then goes to the rules above with every factored input expanded.
+# ----------------------------------------------------------------------------------
+
+
+def _size(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def _factored_operands(eqn: jex.JaxprEqn, invals: Sequence[Any]) -> list[Any] | None:
+    """The inputs with every series factored, or None if one must stay a series.
+
+    A series is factored when it is small (at most `MAX_FACTORED_TERMS` entries) and
+    the equation makes it larger: a broadcast, or a product with a constant array.
+    """
+    out_size = max(_size(aval.shape) for aval in _out_avals(eqn))
+    operands = []
+    for x in invals:
+        if isinstance(x, _Series):
+            size = _size(x.coeffs.shape[1:])
+            if size > MAX_FACTORED_TERMS or size >= out_size:
+                return None
+            x = _Factored.of(x)
+        operands.append(x)
+    if not any(isinstance(x, _Factored) for x in operands):
+        return None
+    return operands
+
+
+def _zeros_like_operand(x: Any) -> Array:
+    return jnp.zeros_like(x.matrices[0] if isinstance(x, _Factored) else x)
+
+
+# Linear over the reals only: they do not commute with a complex scalar factor
+# (`conj` does, once the scalars are conjugated too).
+_REAL_LINEAR = frozenset("real imag complex convert_element_type".split())
+
+
+def _conjugated(x: Any) -> Any:
+    """For `conj`: a factored operand with its scalars conjugated (the same array
+    when they are real, so that `A + conj(A).T` still merges)."""
+    if isinstance(x, _Factored) and x.complex_scalars:
+        return _Factored(jnp.conj(x.scalars), x.matrices, x.constant)
+    return x
+
+
+def _factored_linear_rule(eqn, invals):
+    """A primitive additive in its floating operands, term by term.
+
+    Operands that share one `scalars` array (`A` and `A.T`, say, in `A + A.T`) are
+    bound together, so their terms merge instead of adding up; floating constants
+    form one more term with the unit series.
+    """
+    operands = _factored_operands(eqn, invals)
+    if operands is None:
+        return None
+    complex_scalars = any(
+        isinstance(x, _Factored) and x.complex_scalars for x in operands
+    )
+    if complex_scalars and eqn.primitive.name in _REAL_LINEAR:
+        return None
+    if eqn.primitive.name == "conj":
+        operands = [_conjugated(x) for x in operands]
+    floating = [
+        i for i, x in enumerate(operands) if isinstance(x, _Factored) or _is_inexact(x)
+    ]
+    groups: dict[int, list[int]] = {}
+    for i in floating:
+        if isinstance(operands[i], _Factored):
+            groups.setdefault(id(operands[i].scalars), []).append(i)
+    out_avals = _out_avals(eqn)
+    # The constant parts, all bound at once (if there are any).
+    constant: list[Any] = [None] * len(out_avals)
+    if any(
+        not isinstance(operands[i], _Factored) or operands[i].constant is not None
+        for i in floating
+    ):
+        constants = [
+            x.constant_or_zeros() if isinstance(x, _Factored) else x for x in operands
+        ]
+        constant = _as_list(eqn, _bind(eqn, *constants))
+    all_scalars, all_matrices = [], []
+    for slots in groups.values():
+        args = [
+            _zeros_like_operand(x) if i in floating and i not in slots else x
+            for i, x in enumerate(operands)
+        ]
+        all_scalars.append(operands[slots[0]].scalars)
+        axes = [0 if i in slots else None for i in range(len(args))]
+        args = [x.matrices if i in slots else x for i, x in enumerate(args)]
+        bind = jax.vmap(lambda *a: _bind(eqn, *a), in_axes=axes)
+        all_matrices.append(_as_list(eqn, bind(*args)))
+    scalars = jnp.concatenate(
+        [x.astype(jnp.result_type(*all_scalars)) for x in all_scalars]
+    )
+    if scalars.shape[0] + 1 > MAX_FACTORED_TERMS:
+        return None
+    return [
+        _Factored(scalars, jnp.concatenate([m[k] for m in all_matrices]), constant[k])
+        for k in range(len(out_avals))
+    ]
+
+
+def _pairwise_products(a: Array, b: Array) -> Array:
+    """The scalar series `a[l] * b[m]` for every pair, as `(La * Lb, K + 1)`."""
+    num_terms = a.shape[1]
+    shape = (num_terms, a.shape[0], b.shape[0])
+    left = jnp.broadcast_to(a.T[:, :, None], shape)
+    right = jnp.broadcast_to(b.T[:, None, :], shape)
+    dtype = jnp.result_type(a, b)
+    product = cauchy_product(left.astype(dtype), right.astype(dtype))
+    return product.reshape(num_terms, -1).T
+
+
+def _factored_product_rule(eqn, invals):
+    """`mul`, `dot_general`, `div` by a constant: a product acts on the arrays of
+    each term; two factored operands give every pair of terms."""
+    operands = _factored_operands(eqn, invals)
+    if operands is None:
+        return None
+    factored = [i for i, x in enumerate(operands) if isinstance(x, _Factored)]
+    if eqn.primitive.name == "div" and factored != [0]:
+        return None
+    if len(factored) == 1:
+        (i,) = factored
+        x = operands[i]
+        axes = [0 if j == i else None for j in range(len(operands))]
+        args = [x.matrices if j == i else y for j, y in enumerate(operands)]
+        matrices = jax.vmap(lambda *a: _bind(eqn, *a), in_axes=axes)(*args)
+        constant = None
+        if x.constant is not None:
+            args = [x.constant if j == i else y for j, y in enumerate(operands)]
+            constant = _bind(eqn, *args)
+        return [_Factored(x.scalars, matrices, constant)]
+    a, b = (x.with_constant_as_term() for x in operands)
+    if a.scalars.shape[0] * b.scalars.shape[0] > MAX_FACTORED_TERMS:
+        return None
+    bind = jax.vmap(jax.vmap(lambda x, y: _bind(eqn, x, y), (None, 0)), (0, None))
+    matrices = bind(a.matrices, b.matrices)
+    matrices = matrices.reshape((-1,) + matrices.shape[2:])
+    return [_Factored(_pairwise_products(a.scalars, b.scalars), matrices)]
+
+
+_FACTORED_RULES: dict[str, Callable[[jex.JaxprEqn, Sequence[Any]], Any]] = {
+    **{name: _factored_linear_rule for name in _LINEAR},
+    "mul": _factored_product_rule,
+    "dot_general": _factored_product_rule,
+    "div": _factored_product_rule,
+}
+
 # Primitives whose body is another jaxpr that can simply be inlined. For custom_jvp
 # and custom_vjp functions this expands the primal function: exactly the function
 # whose Taylor coefficients are asked for.
@@ -718,9 +961,13 @@ _INLINE_PARAM = {
 # ----------------------------------------------------------------------------------
 
 
+def _depends_on_s(x: Any) -> bool:
+    return isinstance(x, (_Series, _Factored))
+
+
 def _eval_eqn(eqn: jex.JaxprEqn, invals: list[Any]) -> list[Any]:
     name = eqn.primitive.name
-    if not any(isinstance(x, _Series) for x in invals):
+    if not any(map(_depends_on_s, invals)):
         return _as_list(eqn, _bind(eqn, *invals))
     if name in _INLINE_PARAM:
         body = eqn.params[_INLINE_PARAM[name]]
@@ -733,6 +980,12 @@ def _eval_eqn(eqn: jex.JaxprEqn, invals: list[Any]) -> list[Any]:
         # Integer and boolean results (comparisons, argmax, casts to int) are
         # piecewise constant in s: their value at the expansion point is the series.
         return _as_list(eqn, _bind(eqn, *map(_primal, invals)))
+    factored_rule = _FACTORED_RULES.get(name)
+    if factored_rule is not None:
+        outs = factored_rule(eqn, invals)
+        if outs is not None:
+            return outs
+    invals = [x.expanded() if isinstance(x, _Factored) else x for x in invals]
     rule = _RULES.get(name)
     if rule is None:
         raise NotImplementedError(
@@ -771,6 +1024,17 @@ def _identity_series(t: Float[Array, ""], num_terms: int) -> Float[Array, " term
     return jnp.where(orders == 0, t, jnp.where(orders == 1, 1, 0)).astype(t.dtype)
 
 
+def _expand(
+    fn: Callable[[Array], PyTree[Array]], t: Float[ArrayLike, ""], order: int
+) -> tuple[list[Any], Any, int]:
+    t = jnp.asarray(t)
+    closed, out_shapes = jax.make_jaxpr(fn, return_shape=True)(t)
+    num_terms = order + 1
+    seed = _Series(_identity_series(t, num_terms), affine=True)
+    outs = _eval_jaxpr(closed.jaxpr, closed.consts, [seed])
+    return outs, jax.tree.structure(out_shapes), num_terms
+
+
 def taylor_coefficients(
     fn: Callable[[Array], PyTree[Array]], t: Float[ArrayLike, ""], order: int
 ) -> PyTree[Shaped[Array, "terms ..."]]:
@@ -792,10 +1056,34 @@ def taylor_coefficients(
     Raises `NotImplementedError` naming the primitive when part of `fn` that depends
     on `t` has no Taylor rule.
     """
-    t = jnp.asarray(t)
-    closed, out_shapes = jax.make_jaxpr(fn, return_shape=True)(t)
-    num_terms = order + 1
-    seed = _Series(_identity_series(t, num_terms), affine=True)
-    outs = _eval_jaxpr(closed.jaxpr, closed.consts, [seed])
-    coeffs = [_lift(o, num_terms) for o in outs]
-    return jax.tree.unflatten(jax.tree.structure(out_shapes), coeffs)
+    outs, structure, num_terms = _expand(fn, t, order)
+    return jax.tree.unflatten(structure, [_lift(o, num_terms) for o in outs])
+
+
+class FactoredCoefficients(NamedTuple):
+    """Taylor coefficients of the form `coefficient[m] = sum_l scalars[l, m] *
+    matrices[l]`: `J` scalar series times constant arrays."""
+
+    scalars: Shaped[Array, "J terms"]
+    matrices: Shaped[Array, "J ..."]
+
+
+def taylor_expansion(
+    fn: Callable[[Array], PyTree[Array]], t: Float[ArrayLike, ""], order: int
+) -> PyTree[Shaped[Array, "terms ..."] | FactoredCoefficients]:
+    """As [`taylor_coefficients`][], but an output that is a sum of at most
+    `MAX_FACTORED_TERMS` scalar series times constant arrays (a constant among them)
+    comes back as [`FactoredCoefficients`][] instead of its coefficients."""
+    outs, structure, num_terms = _expand(fn, t, order)
+
+    def as_returned(out):
+        if isinstance(out, _Factored):
+            out = out.with_constant_as_term()
+            return FactoredCoefficients(out.scalars, out.matrices)
+        if isinstance(out, _Series):
+            return out.coeffs
+        out = jnp.asarray(out)
+        unit = _with_first(jnp.ones((1,), jnp.finfo(out.dtype).dtype), num_terms)
+        return FactoredCoefficients(unit.T, out[None])
+
+    return jax.tree.unflatten(structure, [as_returned(o) for o in outs])
