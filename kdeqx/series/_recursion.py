@@ -15,18 +15,16 @@ coefficients (the general path) makes each step of the first scan a Cauchy sum o
 compiled program does not grow with the order.
 """
 
-from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
-import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Complex, Int
 
 from .._backend import complex_factors, complex_product
-from ._scaled import ldexp, normalised, powers_of_two, Scaled, ZERO_EXPONENT, zeros
+from ._scaled import normalised, powers_of_two, Scaled, ZERO_EXPONENT, zeros
 
 
 def _padded(coefficients: Array, length: int, value: int = 0) -> Array:
@@ -54,16 +52,23 @@ def _window(x: Scaled, m: Int[Array, ""], axis: int) -> Scaled:
     )
 
 
+# A matrix product contracting terms and columns at once, `sum_r A[r] @ B[r]`.
+_SUM_OF_PRODUCTS = (((0, 2), (0, 1)), ((), ()))
+
+
 class DenseTerms(eqx.Module):
     """A generator (or observable) given by its coefficients, `G(t + s) = sum_j G[j]
-    s^j`, every coefficient its own matrix: the general path."""
+    s^j`, every coefficient its own matrix: the general path. Coefficient `m` of `G X`
+    is a sum of `L` products, `sum_i G[m - i] X[i]`."""
 
     reversed: Scaled
+    reversed_factors: Array
 
     @staticmethod
     def of(coefficients: Complex[Array, "terms n n"], length: int) -> "DenseTerms":
         padded = _padded(coefficients, length)
-        return DenseTerms(Scaled.of(_reversed_and_padded(padded, axis=0)))
+        reversed_ = Scaled.of(_reversed_and_padded(padded, axis=0))
+        return DenseTerms(reversed_, complex_factors(reversed_.mantissa))
 
     @property
     def n(self) -> int:
@@ -73,23 +78,34 @@ class DenseTerms(eqx.Module):
     def dtype(self) -> Any:
         return self.reversed.mantissa.dtype
 
-    def times(self, x: Scaled, m: Int[Array, ""]) -> tuple[Scaled, Scaled]:
-        """The pair of rows whose sum of products is coefficient `m` of `G X`:
-        `sum_i G[m - i] X[i]`."""
-        return _window(self.reversed, m, axis=0), x
-
-    def times_on_the_left(self, x: Scaled, m: Int[Array, ""]) -> tuple[Scaled, Scaled]:
-        """The same for `X G`."""
-        return x, _window(self.reversed, m, axis=0)
+    def product(
+        self, x: Scaled, m: Int[Array, ""], factor: Array, generator_first: bool
+    ) -> Scaled:
+        """`factor` times coefficient `m` of `G X` (or of `X G`), from the first `L`
+        coefficients of `X`, each term scaled relative to the largest."""
+        length = x.exponent.shape[0]
+        start = length - 1 - m
+        window = lax.dynamic_slice_in_dim(self.reversed.exponent, start, length)
+        exponents = jnp.maximum(window + x.exponent, ZERO_EXPONENT)
+        top = jnp.max(exponents)
+        weights = powers_of_two(exponents - top, x.mantissa.real.dtype) * factor
+        generator = lax.dynamic_slice_in_dim(
+            self.reversed_factors, start, length, axis=-3
+        )
+        weighted = complex_factors(x.mantissa * weights[:, None, None])
+        pair = (generator, weighted) if generator_first else (weighted, generator)
+        return normalised(complex_product(*pair, _SUM_OF_PRODUCTS), top)
 
 
 class FactoredTerms(eqx.Module):
     """A generator of the form `G(t + s) = sum_l c_l(s) M_l`: `J` scalar series times
     constant matrices (`H0 + cos(t) H1`, say). Coefficient `m` of `G X` is
-    `sum_l M_l (sum_i c_l[m - i] X[i])`: scalar-weighted sums, then `J` products."""
+    `sum_l M_l (sum_i c_l[m - i] X[i])`: sums weighted by scalars, then `J` products
+    with matrices prepared once."""
 
     scalars: Scaled
     matrices: Scaled
+    matrix_factors: Array
 
     @staticmethod
     def of(
@@ -98,9 +114,11 @@ class FactoredTerms(eqx.Module):
         length: int,
     ) -> "FactoredTerms":
         padded = _padded(scalars.T, length).T
+        matrices_ = Scaled.of(matrices)
         return FactoredTerms(
             Scaled.of(_reversed_and_padded(padded, axis=1), core=0),
-            Scaled.of(matrices),
+            matrices_,
+            complex_factors(matrices_.mantissa),
         )
 
     @property
@@ -111,96 +129,39 @@ class FactoredTerms(eqx.Module):
     def dtype(self) -> Any:
         return self.matrices.mantissa.dtype
 
-    @property
-    def count(self) -> int:
-        return self.matrices.exponent.shape[0]
+    def weights(
+        self, x: Scaled, m: Int[Array, ""], factor: Array
+    ) -> tuple[Complex[Array, "J L"], Int[Array, ""]]:
+        """`factor c_l[m - i]` at `(l, i)`, with every term `c_l[m - i] M_l X[i]`
+        scaled relative to the largest, whose exponent comes second: the matrices
+        are then used as prepared."""
+        c = _window(self.scalars, m, axis=1)
+        exponents = c.exponent + x.exponent + self.matrices.exponent[:, None]
+        exponents = jnp.maximum(exponents, ZERO_EXPONENT)
+        top = jnp.max(exponents)
+        real_dtype = x.mantissa.real.dtype
+        scale = powers_of_two(exponents - top, real_dtype)
+        return c.mantissa * factor * scale, top
 
-    def window(self, m: Int[Array, ""]) -> Scaled:
-        """`c_l[m - i]` at `(l, i)`, zero for `i > m`."""
-        return _window(self.scalars, m, axis=1)
+    def finish(
+        self, sums: Complex[Array, "J n n"], top: Int[Array, ""], generator_first: bool
+    ) -> Scaled:
+        """`sum_l M_l sums[l]` (or `sum_l sums[l] M_l`), times `2**top`."""
+        sums = complex_factors(sums)
+        matrices = self.matrix_factors
+        pair = (matrices, sums) if generator_first else (sums, matrices)
+        return normalised(complex_product(*pair, _SUM_OF_PRODUCTS), top)
 
-    def times(self, x: Scaled, m: Int[Array, ""]) -> tuple[Scaled, Scaled]:
-        return self.matrices, _weighted_sums(self.window(m), x)
-
-    def times_on_the_left(self, x: Scaled, m: Int[Array, ""]) -> tuple[Scaled, Scaled]:
-        return _weighted_sums(self.window(m), x), self.matrices
-
-
-def _weighted_sums(weights: Scaled, x: Scaled) -> Scaled:
-    """`sum_i weights[l, i] X[i]` for every `l`, each term rescaled to the largest of
-    its sum. (Left unnormalised: its mantissas stay below the number of terms, and
-    the product that uses it normalises.)"""
-    exponents = jnp.maximum(weights.exponent + x.exponent, ZERO_EXPONENT)
-    top = jnp.max(exponents, axis=1)
-    scaled = ldexp(weights.mantissa, exponents - top[:, None])
-    return Scaled(jnp.tensordot(scaled, x.mantissa, 1), top)
+    def product(
+        self, x: Scaled, m: Int[Array, ""], factor: Array, generator_first: bool
+    ) -> Scaled:
+        """`factor` times coefficient `m` of `G X` (or of `X G`)."""
+        weights, top = self.weights(x, m, factor)
+        sums = jnp.tensordot(weights, x.mantissa, 1)
+        return self.finish(sums, top, generator_first)
 
 
 Terms = DenseTerms | FactoredTerms
-
-
-def _sums_of_products(
-    left: Scaled, right: Scaled, factor: Complex[Array, " batch"]
-) -> Scaled:
-    """`factor[b] * sum_r left[b, r] @ right[b, r]`, every term rescaled to the
-    largest of its sum by an exact power of two before adding."""
-    exponents = jnp.maximum(left.exponent + right.exponent, ZERO_EXPONENT)
-    top = jnp.max(exponents, axis=1)
-    weights = powers_of_two(exponents - top[:, None], left.mantissa.real.dtype)
-    weighted = left.mantissa * (weights * factor[:, None])[..., None, None]
-    # The term index r is contracted with the matrix product.
-    total = complex_product(
-        complex_factors(weighted),
-        complex_factors(right.mantissa),
-        (((1, 3), (1, 2)), ((0,), (0,))),
-    )
-    return normalised(total, top)
-
-
-def _products(
-    pairs: Sequence[tuple[Scaled, Scaled]], factors: Complex[Array, " pairs"]
-) -> list[Scaled]:
-    """[`_sums_of_products`][] of each pair; pairs with the same number of terms
-    share one batched product."""
-    groups: dict[int, list[int]] = {}
-    for i, (left, _) in enumerate(pairs):
-        groups.setdefault(left.exponent.shape[0], []).append(i)
-    results: list[Any] = [None] * len(pairs)
-    for members in groups.values():
-        stacked = [
-            jax.tree.map(lambda *xs: jnp.stack(xs), *(pairs[i][side] for i in members))
-            for side in (0, 1)
-        ]
-        total = _sums_of_products(*stacked, factors[jnp.asarray(members)])
-        for position, i in enumerate(members):
-            results[i] = total[position]
-    return results
-
-
-def _step_pairs(
-    hamiltonian: Terms, observable: Terms, v: Scaled, w: Scaled, m: Int[Array, ""]
-) -> list[tuple[Scaled, Scaled]]:
-    """The pairs whose sums of products are coefficient `m` of `H V`, `W H` and
-    `X_0 V`."""
-    if isinstance(hamiltonian, FactoredTerms) and isinstance(observable, FactoredTerms):
-        # Both weight V's rows: one pass over V for the two.
-        weights = jax.tree.map(
-            lambda a, b: jnp.concatenate([a, b]),
-            hamiltonian.window(m),
-            observable.window(m),
-        )
-        sums = _weighted_sums(weights, v)
-        count = hamiltonian.count
-        return [
-            (hamiltonian.matrices, sums[:count]),
-            hamiltonian.times_on_the_left(w, m),
-            (observable.matrices, sums[count:]),
-        ]
-    return [
-        hamiltonian.times(v, m),
-        hamiltonian.times_on_the_left(w, m),
-        observable.times(v, m),
-    ]
 
 
 def _propagators(
@@ -212,29 +173,37 @@ def _propagators(
 
     - `V[k] = -i/k (H V)[k - 1]`     (from `V' = -i H V`),
     - `W[k] =  i/k (W H)[k - 1]`     (from `W' = i W H`),
-    - `P[k - 1] = (X_0 V)[k - 1]`,
+    - `P[k - 1] = (X_0 V)[k - 1]`.
 
-    as one batched product where their numbers of terms agree. `P` lags one step, so
-    the scan runs to `K + 1`, with one slack row.
+    `P` lags one step, so the scan runs to `K + 1`, with one slack row.
     """
     length = order + 2
     n, dtype = observable.n, observable.dtype
     identity = Scaled(0.5 * jnp.eye(n, dtype=dtype), jnp.asarray(1, jnp.int32))
     start = zeros((length, n, n), dtype).with_row(jnp.asarray(0), identity)
 
-    def step(carry, inputs):
+    def step(carry, k):
         v, w = carry
-        k, factors = inputs
         m = k - 1
-        new_v, new_w, new_p = _products(
-            _step_pairs(hamiltonian, observable, v, w, m), factors
-        )
+        step_factor = (1 / k.astype(jnp.finfo(dtype).dtype)).astype(dtype)
+        one = jnp.ones((), dtype)
+        new_w = hamiltonian.product(w, m, 1j * step_factor, generator_first=False)
+        if isinstance(hamiltonian, FactoredTerms) and isinstance(
+            observable, FactoredTerms
+        ):
+            # Both weight V's rows: one pass over V for the two.
+            h_weights, h_top = hamiltonian.weights(v, m, -1j * step_factor)
+            x_weights, x_top = observable.weights(v, m, one)
+            sums = jnp.tensordot(jnp.concatenate([h_weights, x_weights]), v.mantissa, 1)
+            count = h_weights.shape[0]
+            new_v = hamiltonian.finish(sums[:count], h_top, generator_first=True)
+            new_p = observable.finish(sums[count:], x_top, generator_first=True)
+        else:
+            new_v = hamiltonian.product(v, m, -1j * step_factor, generator_first=True)
+            new_p = observable.product(v, m, one, generator_first=True)
         return (v.with_row(k, new_v), w.with_row(k, new_w)), new_p
 
-    steps = jnp.arange(1, length)
-    k = steps.astype(jnp.finfo(dtype).dtype)[:, None]
-    factors = (jnp.array([-1j, 1j, 0]) / k + jnp.array([0, 0, 1])).astype(dtype)
-    (_, w), p = lax.scan(step, (start, start), (steps, factors))
+    (_, w), p = lax.scan(step, (start, start), jnp.arange(1, length))
     return w[: order + 1], p
 
 
@@ -246,13 +215,21 @@ _CHUNK = 4
 
 def _chunks(length: int, c: int) -> tuple[Int[Array, " chunks"], Int[Array, " chunks"]]:
     """`(m, a0)` for `m = 0..length - 1` and `a0 = 0, c, 2c, ... <= m`, in that
-    order: computed rather than stored, so the program has no constant that grows
-    with the order."""
-    counts = np.arange(length) // c + 1
-    q = jnp.arange(int(np.sum(counts)))
-    starts = jnp.cumsum(jnp.arange(length) // c + 1) - (jnp.arange(length) // c + 1)
-    m = jnp.searchsorted(starts, q, side="right") - 1
-    return m.astype(jnp.int32), ((q - starts[m]) * c).astype(jnp.int32)
+    order: computed from the chunk's position rather than stored, so the program has
+    no constant that grows with the order.
+
+    The `c` values of `m` in `[b c, b c + c)` have `b + 1` chunks each, so block `b`
+    starts at chunk `c b (b + 1) / 2`; `b` is the root of that quadratic, corrected
+    by one where floating point rounds it.
+    """
+    count = int(np.sum(np.arange(length) // c + 1))
+    q = jnp.arange(count)
+    b = ((jnp.sqrt(1 + 8 * q / c) - 1) / 2).astype(jnp.int32)
+    b = jnp.where(c * (b + 1) * (b + 2) // 2 <= q, b + 1, b)
+    b = jnp.where(c * b * (b + 1) // 2 > q, b - 1, b)
+    offset = q - c * b * (b + 1) // 2
+    m = b * c + offset // (b + 1)
+    return m.astype(jnp.int32), (offset % (b + 1) * c).astype(jnp.int32)
 
 
 def _cauchy_product(left: Scaled, right: Scaled) -> Scaled:

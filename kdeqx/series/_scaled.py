@@ -57,9 +57,11 @@ def ldexp(x: Inexact[Array, "*batch"], k: Int[Array, "*#batch"]) -> Array:
 
 
 def powers_of_two(k: Int[Array, "*shape"], dtype: Any) -> Real[Array, "*shape"]:
-    """`2**k` for `k <= 0` down to zero: the weights that rescale terms to the
-    largest of their sum."""
-    return ldexp(jnp.ones(k.shape, dtype), k)
+    """`2**k` for `k <= 0`: the weights that rescale terms to the largest of their
+    sum. Below the normal range it is the smallest normal number rather than zero
+    (one bit pattern instead of two, a smaller program): a term scaled by it is still
+    far below the precision of the sum it joins."""
+    return power_of_two(k, dtype)
 
 
 class Scaled(eqx.Module):

@@ -241,18 +241,15 @@ def _factored_terms(expansion: _Expansion, length: int) -> int | None:
     return None
 
 
-def _terms(expansion: _Expansion, dtype: Any, length: int, count: int | None) -> Terms:
-    """The recursion's view of a generator: `count >= J` factored terms (zero terms
-    added where fewer), or its coefficients if `count` is None."""
+def _terms(expansion: _Expansion, dtype: Any, length: int) -> Terms:
+    """The recursion's view of a generator: factored if [`_factored_terms`][] says
+    so, else its coefficients."""
     # Constants (the matrices of `H0 + cos(t) H1`, a constant observable) would
     # otherwise be preprocessed by XLA's constant folding, which took 4 s at n = 1024.
     expansion = lax.optimization_barrier(expansion)
     if isinstance(expansion, FactoredCoefficients):
         scalars, matrices = expansion
-        if count is not None:
-            missing = count - scalars.shape[0]
-            scalars = jnp.pad(scalars, [(0, missing), (0, 0)])
-            matrices = jnp.pad(matrices, [(0, missing), (0, 0), (0, 0)])
+        if _factored_terms(expansion, length) is not None:
             return FactoredTerms.of(
                 scalars.astype(dtype), matrices.astype(dtype), length
             )
@@ -287,14 +284,7 @@ def _generator_terms(series: OperatorSeries, t: Real[Array, ""]) -> tuple[Terms,
         jnp.result_type(t, *jax.tree.leaves((hamiltonian, x0))), jnp.complex64
     )
     length = series.order + 2
-    h_count, x_count = (_factored_terms(e, length) for e in (hamiltonian, x0))
-    if h_count is not None and x_count is not None:
-        # Zero terms for the one with fewer: their products then batch together.
-        h_count = x_count = max(h_count, x_count)
-    return (
-        _terms(hamiltonian, dtype, length, h_count),
-        _terms(x0, dtype, length, x_count),
-    )
+    return _terms(hamiltonian, dtype, length), _terms(x0, dtype, length)
 
 
 @eqx.filter_jit

@@ -873,12 +873,11 @@ def _factored_linear_rule(eqn, invals):
     all_scalars, all_matrices = [], []
     for slots in groups.values():
         args = [
-            _zeros_like_operand(x) if i in floating and i not in slots else x
+            x.matrices if i in slots else _zeros_like_operand(x) if i in floating else x
             for i, x in enumerate(operands)
         ]
         all_scalars.append(operands[slots[0]].scalars)
         axes = [0 if i in slots else None for i in range(len(args))]
-        args = [x.matrices if i in slots else x for i, x in enumerate(args)]
         bind = jax.vmap(lambda *a: _bind(eqn, *a), in_axes=axes)
         all_matrices.append(_as_list(eqn, bind(*args)))
     scalars = jnp.concatenate(
