@@ -1,9 +1,11 @@
 """The operator recursion X_k = i[H, X_{k-1}] + dX_{k-1}/dt: the question's recursive
-nested `jacfwd` against `kdeqx.OperatorSeries`, in one run.
+nested `jacfwd` against `kdeqx.OperatorSeries`, in one run, then its cost at physics
+sizes.
 
-    python benchmarks/operator_series.py [--max-recursive-k 7] [--repeats 20]
+    python benchmarks/operator_series.py [--sections 1 2 3 4 5] [--repeats 20]
+        [--sizes 4 32 128 256 1024] [--orders 10 40 100] [--budget 120]
 
-The problem is the question's: H = cos(t) sy, X_0 = sx, t = 1.
+Sections 1-4 use the question's problem, H = cos(t) sy, X_0 = sx, t = 1.
 
 1. The question's code, verbatim in substance (`jax.jit(static_argnames="k")`, each
    level a `jacfwd(holomorphic=True)` of the level below, complex t): the first call
@@ -13,8 +15,20 @@ The problem is the question's: H = cos(t) sy, X_0 = sx, t = 1.
    `--repeats`), the jaxpr size, and the largest relative error of `X_k / k!` against
    the closed form `z_k = exp(-2i sin t) d^k/dt^k exp(2i sin t)` evaluated in float64.
 3. The recursive X_k against OperatorSeries' X_k for the k the recursion reached.
+4. An `eqx.nn.MLP` generator and its gradient.
+5. Physics sizes (float64): a driven Hamiltonian H(t) = H0 + cos(t) H1 (random
+   Hermitian, norm about 1) with a diagonal X_0, for n in `--sizes` and K in
+   `--orders`: the first call (after a warm-up on another problem) and the steady run
+   of `series.normalised(t)` on the factored path; the steady run of the general path
+   (`factored=False`) and its largest difference from the factored one; and the lower
+   bound, K commutators `1j * (H0 @ X - X @ H0)` with the constant H0 in one jitted
+   `lax.scan`. Then an MLP generator with no factored form (its output is the
+   matrix), n <= 256. A measurement whose time, extrapolated as K^2 from the previous
+   order at the same n, exceeds `--budget` seconds is skipped and says so; one that
+   takes over 20 s is run once.
 
-Times are first calls on a shared CPU: they move with the machine's load (printed).
+Times are on a shared CPU with every core given to XLA (nothing here has a native
+peer to match cores against): they move with the machine's load (printed).
 """
 
 import argparse
@@ -30,6 +44,7 @@ import jax
 jax.config.update("jax_enable_x64", True)
 
 import jax.extend.core as jex  # noqa: E402
+import jax.lax as lax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -147,10 +162,29 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-recursive-k", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--sections", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4, 32, 128, 256, 1024])
+    parser.add_argument("--orders", type=int, nargs="+", default=[10, 40, 100])
+    parser.add_argument("--budget", type=float, default=120.0)
     args = parser.parse_args()
 
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} CPUs")
     print("load average at start: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
+    recursive = {}
+    if 1 in args.sections:
+        recursive = question_recursion(args)
+    if 2 in args.sections:
+        question_series(args)
+    if 3 in args.sections and recursive:
+        against_recursion(args, recursive)
+    if 4 in args.sections:
+        other_workloads(args)
+    if 5 in args.sections:
+        physics_sizes(args)
+    print("load average at end: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
+
+
+def question_recursion(args):
     t = jnp.asarray(1, dtype=complex)
 
     print("\n1. The question's recursive nested jacfwd (complex128), first call per k")
@@ -166,6 +200,10 @@ def main():
         "the one before"
     )
 
+    return recursive
+
+
+def question_series(args):
     print("\n2. kdeqx.OperatorSeries, H = cos(t) sy, X_0 = sx, t = 1")
     print(
         "first call of series.normalised_frexp(t): wall and CPU seconds (trace + "
@@ -213,6 +251,8 @@ def main():
         "(below float32's smallest normal number; normalised_frexp keeps them)"
     )
 
+
+def against_recursion(args, recursive):
     print("\n3. Recursive X_k against OperatorSeries X_k (complex128)")
     k_max = args.max_recursive_k
     ours = np.asarray(series_for(jnp.float64, k_max)(jnp.float64(1.0)))
@@ -222,6 +262,9 @@ def main():
             f"k = {k}: max |difference| = {difference:.1e}, |X_k| = "
             f"{np.max(np.abs(ours[k])):.2e}"
         )
+
+
+def other_workloads(args):
     print(
         "\n4. Other workloads in float32: first call (trace, compile, run), steady run"
     )
@@ -241,7 +284,161 @@ def main():
             f"  its gradient w.r.t. the MLP's parameters, K = {order}: "
             f"first {first:.3f} s, run {run * 1e3:.3f} ms"
         )
-    print("load average at end: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
+
+
+# --- Section 5: physics sizes ---------------------------------------------------------
+
+
+def hermitian(key, n):
+    """A random Hermitian matrix of spectral norm about 1."""
+    a, b = jax.random.normal(key, (2, n, n), jnp.float64)
+    m = (a + 1j * b) / np.sqrt(2 * n)
+    return (m + m.conj().T) / 2
+
+
+def driven_problem(n):
+    k0, k1, k2 = jax.random.split(jax.random.key(n), 3)
+    h0, h1 = hermitian(k0, n), hermitian(k1, n)
+    x0 = jnp.diag(jax.random.normal(k2, (n,), jnp.float64)).astype(complex)
+    return h0, h1, x0
+
+
+def driven_series(problem, order, factored=True):
+    h0, h1, x0 = problem
+    return kdeqx.OperatorSeries(
+        lambda t: h0 + jnp.cos(t) * h1, x0, order, factored=factored
+    )
+
+
+class MatrixMLP(eqx.Module):
+    """A generator whose matrix is an MLP's output: no factored form."""
+
+    mlp: eqx.nn.MLP
+    n: int = eqx.field(static=True)
+
+    def __call__(self, t):
+        m = self.mlp(t).reshape(self.n, self.n)
+        return (m + m.T) / (2 * self.n)
+
+
+def mlp_problem(n):
+    key = jax.random.key(n + 1)
+    mlp = eqx.nn.MLP("scalar", n * n, 32, 2, jnp.tanh, dtype=jnp.float64, key=key)
+    return MatrixMLP(mlp, n), driven_problem(n)[2]
+
+
+def commutators(h, x, order):
+    """The lower bound: K commutators with a constant generator."""
+
+    def step(x, _):
+        return 1j * (h @ x - x @ h), None
+
+    return lax.scan(step, x, None, length=order)[0]
+
+
+def steady(fn, repeats):
+    """Best of a few runs after one (which is also the answer when it took > 20 s)."""
+    result, first = timed(fn)
+    if first > 20:
+        return result, first, 1
+    runs = max(2, min(repeats, int(10 / max(first, 1e-4))))
+    return result, min(first, best_of(fn, runs)), runs + 1
+
+
+class Extrapolation:
+    """Each measurement's time at the previous order of the same size, scaled as
+    K^2, against the budget."""
+
+    def __init__(self, budget):
+        self.budget, self.last = budget, {}
+
+    def estimate(self, key, order):
+        if key not in self.last:
+            return 0.0
+        previous_order, seconds = self.last[key]
+        return seconds * (order / previous_order) ** 2
+
+    def allows(self, key, order):
+        return self.estimate(key, order) <= self.budget
+
+    def record(self, key, order, seconds):
+        self.last[key] = (order, seconds)
+
+
+def physics_sizes(args):
+    print(
+        "\n5. Physics sizes, float64, series.normalised(t): H(t) = H0 + cos(t) H1 "
+        "(random Hermitian,\nnorm ~1), X_0 diagonal; factored path (first call after "
+        "a warm-up, steady run), general path\n(factored=False, steady), lower bound "
+        "(K commutators with constant H0, one jitted scan)"
+    )
+    warm = kdeqx.OperatorSeries(lambda t: jnp.sin(t) * SY, SX, 2)
+    jax.block_until_ready(warm.normalised(jnp.float64(0.1)))
+    header = (
+        f"{'n':>5} {'K':>4} {'terms':>7} {'first [s]':>10} {'run [s]':>9} "
+        f"{'general [s]':>12} {'bound [s]':>10} {'run/bound':>10} "
+        f"{'general/run':>12} {'max diff':>9}"
+    )
+    print(header)
+    budget = Extrapolation(args.budget)
+    t = jnp.float64(0.3)
+    for n in args.sizes:
+        problem = driven_problem(n)
+        bound = jax.jit(commutators, static_argnums=2)
+        for order in args.orders:
+            row = f"{n:>5} {order:>4}"
+            if not budget.allows(("factored", n), order):
+                estimate = budget.estimate(("factored", n), order)
+                print(f"{row}  skipped: estimated {estimate:.0f} s per call")
+                continue
+            series = driven_series(problem, order)
+            terms = series.factored_terms()
+            fast, first = timed(lambda: series.normalised(t))
+            _, run, _ = steady(lambda: series.normalised(t), args.repeats)
+            budget.record(("factored", n), order, run)
+            _, bound_run, _ = steady(
+                lambda: bound(problem[0], problem[2], order), args.repeats
+            )
+            general, difference = "skipped", ""
+            if budget.allows(("general", n), order):
+                general_series = driven_series(problem, order, factored=False)
+                slow, general_run, _ = steady(
+                    lambda: general_series.normalised(t), args.repeats
+                )
+                budget.record(("general", n), order, general_run)
+                difference = (
+                    f"{max_relative_error(np.asarray(fast), np.asarray(slow)):.1e}"
+                )
+                general = f"{general_run:.4g}"
+                ratio = f"{general_run / run:.1f}"
+            else:
+                ratio = ""
+            print(
+                f"{row} {str(terms):>7} {first:>10.3f} {run:>9.4g} {general:>12} "
+                f"{bound_run:>10.4g} {run / bound_run:>10.1f} {ratio:>12} "
+                f"{difference:>9}"
+            )
+
+    print(
+        "\nMLP generator with no factored form (H = sym(reshape(MLP(t)))/n, width 32, "
+        "depth 2, tanh), X_0 diagonal"
+    )
+    print(f"{'n':>5} {'K':>4} {'terms':>12} {'first [s]':>10} {'run [s]':>9}")
+    for n in [n for n in args.sizes if n <= 256]:
+        generator, x0 = mlp_problem(n)
+        for order in args.orders:
+            if not budget.allows(("mlp", n), order):
+                estimate = budget.estimate(("mlp", n), order)
+                print(
+                    f"{n:>5} {order:>4}  skipped: estimated {estimate:.0f} s per call"
+                )
+                continue
+            series = kdeqx.OperatorSeries(generator, x0, order)
+            _, first = timed(lambda: series.normalised(t))
+            _, run, _ = steady(lambda: series.normalised(t), args.repeats)
+            budget.record(("mlp", n), order, run)
+            terms = str(series.factored_terms())
+            print(f"{n:>5} {order:>4} {terms:>12} {first:>10.3f} {run:>9.4g}")
 
 
 if __name__ == "__main__":
