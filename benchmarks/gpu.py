@@ -6,7 +6,10 @@ Builds a tree over n uniform 3-D float32 points, answers Q queries, and times bo
 beside a chunked brute-force kNN (distance matrix + `lax.top_k`) on the same device,
 checking that both agree. Then, at `--small-n` points and Q / 10 queries: kNN at d = 8
 and kNN with k = 128, each against brute force on a subset. Prints the lane count the
-backend chose. Run it once per device session and paste the output into
+backend chose. Last, `kdeqx.OperatorSeries` in float64 with a driven Hamiltonian
+H0 + cos(t) H1: the factored path against the general one at n = 64, K = 20, then
+n = `--series-n` (1024), K = 40 against K commutators with the constant H0 on the
+device. Run it once per device session and paste the output into
 `benchmarks/RESULTS.md`. (jaxkd is compared only where it is installed.)
 """
 
@@ -48,6 +51,7 @@ def main():
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--brute-queries", type=float, default=1e4)
     parser.add_argument("--small-n", type=float, default=1e6)
+    parser.add_argument("--series-n", type=int, default=1024)
     args = parser.parse_args()
     n, q, k = int(args.n), int(args.queries), args.k
     device = jax.devices()[0]
@@ -93,6 +97,8 @@ def main():
     except ImportError:
         print("jaxkd: not installed, not compared")
 
+    operator_series(args.series_n)
+
 
 def against_brute_force(n, q, d, k, brute_queries):
     """kNN at another size, dimension or k: steady query time, beside brute force."""
@@ -113,6 +119,54 @@ def against_brute_force(n, q, d, k, brute_queries):
         f"n={n:,} Q={q:,} d={d} k={k} ({lane_count(8 * k)} lanes): query "
         f"{query_time:.4f} s; brute force {brute_time * q / qb:.2f} s for Q; "
         f"agree: {agree}"
+    )
+
+
+def operator_series(n, order=40):
+    """The driven Hamiltonian of `benchmarks/operator_series.py` section 5, float64."""
+    jax.config.update("jax_enable_x64", True)
+
+    def problem(n):
+        keys = jax.random.split(jax.random.key(n), 3)
+        a = jax.random.normal(keys[0], (2, 2, n, n), jnp.float64)
+        m = (a[:, 0] + 1j * a[:, 1]) / np.sqrt(2 * n)
+        h0, h1 = (m + jnp.swapaxes(m, 1, 2).conj()) / 2
+        x0 = jnp.diag(jax.random.normal(keys[2], (n,), jnp.float64)).astype(complex)
+        return h0, h1, x0
+
+    def series(n, order, factored=True):
+        h0, h1, x0 = problem(n)
+        return kdeqx.OperatorSeries(
+            lambda t: h0 + jnp.cos(t) * h1, x0, order, factored=factored
+        )
+
+    t = jnp.float64(0.3)
+    fast = np.asarray(series(64, 20).normalised(t))
+    general = np.asarray(series(64, 20, factored=False).normalised(t))
+    error = np.max(np.abs(fast - general), axis=(1, 2)) / np.max(
+        np.abs(general), axis=(1, 2)
+    )
+    print(f"series n=64 K=20: factored against general, max rel diff {error.max():.1e}")
+    big = series(n, order)
+    start = time.perf_counter()
+    jax.block_until_ready(big.normalised(t))
+    first = time.perf_counter() - start
+    _, run = timed(lambda: big.normalised(t))
+    h0, _, x0 = problem(n)
+
+    @jax.jit
+    def commutators(h, x):
+        def step(x, _):
+            return 1j * (h @ x - x @ h), None
+
+        return jax.lax.scan(step, x, None, length=order)[0]
+
+    jax.block_until_ready(commutators(h0, x0))
+    _, bound = timed(lambda: commutators(h0, x0))
+    print(
+        f"series n={n} K={order} (terms {big.factored_terms()}): first call "
+        f"{first:.2f} s, steady {run:.3f} s; {order} commutators {bound:.3f} s "
+        f"(ratio {run / bound:.1f})"
     )
 
 

@@ -359,12 +359,11 @@ def complex_factors(x: Array, backend: str | None = None) -> Array:
 
 
 def complex_product(
-    lhs: Array, rhs: Array, dimension_numbers, then=None, backend: str | None = None
+    lhs: Array, rhs: Array, dimension_numbers, backend: str | None = None
 ) -> Array:
-    """`then(lax.dot_general(lhs, rhs, dimension_numbers))` for complex operands
-    prepared by [`kdeqx._backend.complex_factors`][] (the dimension numbers are those
-    of the unprepared arrays). `then`, if given, must be linear over the reals (a
-    masked sum, say): it is applied to real parts where that saves memory traffic.
+    """`lax.dot_general(lhs, rhs, dimension_numbers)` for complex operands prepared by
+    [`kdeqx._backend.complex_factors`][] (the dimension numbers are those of the
+    unprepared arrays).
 
     On the CPU this is three real products (Gauss's trick, as BLAS's `zgemm3m`):
     `(a + ib)(c + id) = (ac - bd) + i((a + b)(c + d) - ac - bd)`, in one batched real
@@ -374,10 +373,9 @@ def complex_product(
     imaginary part's error is bounded by the norms of `a + b` and `c + d`, as for any
     fast complex product).
     """
-    then = (lambda x: x) if then is None else then
     backend = jax.default_backend() if backend is None else backend
     if backend != "cpu":
-        return then(lax.dot_general(lhs, rhs, dimension_numbers))
+        return lax.dot_general(lhs, rhs, dimension_numbers)
     (contract_l, contract_r), (batch_l, batch_r) = dimension_numbers
 
     def shifted(dims):
@@ -387,7 +385,7 @@ def complex_product(
         (shifted(contract_l), shifted(contract_r)),
         ((0,) + shifted(batch_l), (0,) + shifted(batch_r)),
     )
-    ac, bd, total = jax.vmap(then)(lax.dot_general(lhs, rhs, numbers))
+    ac, bd, total = lax.dot_general(lhs, rhs, numbers)
     return lax.complex(ac - bd, total - ac - bd)
 
 
