@@ -15,8 +15,6 @@ coefficients (the general path) makes each step of the first scan a Cauchy sum o
 compiled program does not grow with the order.
 """
 
-from typing import Any
-
 import equinox as eqx
 import jax.lax as lax
 import jax.numpy as jnp
@@ -70,14 +68,6 @@ class DenseTerms(eqx.Module):
         reversed_ = Scaled.of(_reversed_and_padded(padded, axis=0))
         return DenseTerms(reversed_, complex_factors(reversed_.mantissa))
 
-    @property
-    def n(self) -> int:
-        return self.reversed.mantissa.shape[-1]
-
-    @property
-    def dtype(self) -> Any:
-        return self.reversed.mantissa.dtype
-
     def product(
         self, x: Scaled, m: Int[Array, ""], factor: Array, generator_first: bool
     ) -> Scaled:
@@ -121,14 +111,6 @@ class FactoredTerms(eqx.Module):
             complex_factors(matrices_.mantissa),
         )
 
-    @property
-    def n(self) -> int:
-        return self.matrices.mantissa.shape[-1]
-
-    @property
-    def dtype(self) -> Any:
-        return self.matrices.mantissa.dtype
-
     def weights(
         self, x: Scaled, m: Int[Array, ""], factor: Array
     ) -> tuple[Complex[Array, "J L"], Int[Array, ""]]:
@@ -164,6 +146,13 @@ class FactoredTerms(eqx.Module):
 Terms = DenseTerms | FactoredTerms
 
 
+def _matrices(terms: Terms) -> Array:
+    """Some of the generator's matrices, for their size and dtype."""
+    if isinstance(terms, DenseTerms):
+        return terms.reversed.mantissa
+    return terms.matrices.mantissa
+
+
 def _propagators(
     hamiltonian: Terms, observable: Terms, order: int
 ) -> tuple[Scaled, Scaled]:
@@ -178,7 +167,7 @@ def _propagators(
     `P` lags one step, so the scan runs to `K + 1`, with one slack row.
     """
     length = order + 2
-    n, dtype = observable.n, observable.dtype
+    n, dtype = _matrices(observable).shape[-1], _matrices(observable).dtype
     identity = Scaled(0.5 * jnp.eye(n, dtype=dtype), jnp.asarray(1, jnp.int32))
     start = zeros((length, n, n), dtype).with_row(jnp.asarray(0), identity)
 
