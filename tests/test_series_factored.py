@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 import kdeqx
+from kdeqx.series._recursion import _cauchy_product
+from kdeqx.series._scaled import Scaled
 from kdeqx.series._taylor import (
     FactoredCoefficients,
     MAX_FACTORED_TERMS,
@@ -279,3 +281,28 @@ def test_program_size_does_not_grow_with_order(factored):
         series = kdeqx.OperatorSeries(hamiltonian, observable, order, factored=factored)
         sizes.append(len(jax.jit(lambda t: series.normalised(t)).lower(t).as_text()))
     assert sizes[1] < 1.02 * sizes[0]
+
+
+@pytest.mark.x64
+@pytest.mark.parametrize("chunk", [1, 2, 3, 4, 16])
+def test_cauchy_product_in_chunks(chunk):
+    """`Y[m] = sum_a W[a] P[m - a]` against numpy for every chunk size (the default
+    depends on n), with coefficients spanning 2^-600..2^0 and a zero row."""
+    rng = np.random.default_rng(7)
+    length, n = 11, 3
+
+    def scaled():
+        mantissa = rng.normal(size=(length, n, n)) + 1j * rng.normal(
+            size=(length, n, n)
+        )
+        exponent = -rng.integers(0, 60, length) * np.arange(length)
+        mantissa[4] = 0
+        return Scaled.of(jnp.asarray(mantissa * np.ldexp(1.0, exponent)[:, None, None]))
+
+    w, p = scaled(), scaled()
+    got = _cauchy_product(w, p, chunk).values()
+    wv, pv = np.asarray(w.values()), np.asarray(p.values())
+    expected = np.stack(
+        [sum(wv[a] @ pv[m - a] for a in range(m + 1)) for m in range(length)]
+    )
+    assert np.all(relative_errors(got, expected) < 1e-13)

@@ -196,10 +196,13 @@ def _propagators(
     return w[: order + 1], p
 
 
-# Terms per product in [`_cauchy_product`][]. At n = 256, K = 40 (complex128, 2 cores)
-# the product took 1.09 s with 4, 1.16 s with 2 or 8 and 1.34 s with 16; at n = 32 and
-# n = 4, K = 100, 4 was as fast as 16 or 32.
-_CHUNK = 4
+def chunk_size(n: int) -> int:
+    """Terms per product in [`_cauchy_product`][], by measurement (complex128, K = 40,
+    2 cores): at n = 256 the product took 1.09 s with 4 terms, 1.16 s with 2 or 8 and
+    1.34 s with 16; at n = 512 6.5 s with 1 or 2 against 7.0-7.3 s with 4; at n = 1024
+    47.6 s with 1, 48.2 s with 2 and 52.5 s with 4. (Larger matrices gain nothing from
+    longer products and pay for the chunks' unused terms.)"""
+    return 4 if n < 512 else 2
 
 
 def _chunks(length: int, c: int) -> tuple[Int[Array, " chunks"], Int[Array, " chunks"]]:
@@ -221,19 +224,19 @@ def _chunks(length: int, c: int) -> tuple[Int[Array, " chunks"], Int[Array, " ch
     return m.astype(jnp.int32), (offset % (b + 1) * c).astype(jnp.int32)
 
 
-def _cauchy_product(left: Scaled, right: Scaled) -> Scaled:
+def _cauchy_product(left: Scaled, right: Scaled, chunk: int | None = None) -> Scaled:
     """`Y[m] = sum_a left[a] @ right[m - a]` for `m = 0..K`.
 
-    One scan over chunks of `c` consecutive terms of one `Y[m]`, `a = a0..a0 + c - 1`,
-    each one matrix product contracting its `c` terms: `left`'s rows `a0..` and, from
-    a reversed copy of `right` padded with zeros, rows `m - a0, m - a0 - 1, ...`
-    (terms past `m` fall in the padding). That is about `K^2 / 2 + K c / 2` products,
-    against the `(K + 1)^2` of a scan with fixed windows. Every term is scaled by an
-    exact power of two relative to the largest term of its `Y[m]`, known in advance
-    from the exponents, so the chunks add up directly.
+    One scan over chunks of `c` consecutive terms of one `Y[m]` (`chunk`, by default
+    [`chunk_size`][]), `a = a0..a0 + c - 1`, each one matrix product contracting its
+    `c` terms: `left`'s rows `a0..` and, from a reversed copy of `right` padded with
+    zeros, rows `m - a0, m - a0 - 1, ...` (terms past `m` fall in the padding). That
+    is about `K^2 / 2 + K c / 2` products, against the `(K + 1)^2` of a scan with fixed
+    windows. Every term is scaled by an exact power of two relative to the largest term
+    of its `Y[m]`, known in advance from the exponents, so the chunks add up directly.
     """
     length = left.exponent.shape[0]
-    c = _CHUNK
+    c = chunk_size(left.mantissa.shape[-1]) if chunk is None else chunk
     a = jnp.arange(length)[:, None]
     m = jnp.arange(length)[None, :]
     term_exponents = left.exponent[:, None] + right.exponent[jnp.maximum(m - a, 0)]
