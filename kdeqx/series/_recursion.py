@@ -16,6 +16,7 @@ compiled program does not grow with the order.
 """
 
 import equinox as eqx
+import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
@@ -40,14 +41,10 @@ def _reversed_and_padded(coefficients: Array, axis: int) -> Array:
     return jnp.concatenate([flipped, jnp.zeros_like(flipped)], axis=axis)
 
 
-def _window(x: Scaled, m: Int[Array, ""], axis: int) -> Scaled:
-    """Entry `i` of the result is coefficient `m - i` of the reversed and padded `x`."""
-    length = x.exponent.shape[axis] // 2
-    start = length - 1 - m
-    return Scaled(
-        lax.dynamic_slice_in_dim(x.mantissa, start, length, axis),
-        lax.dynamic_slice_in_dim(x.exponent, start, length, axis),
-    )
+def _window(reversed_: Array, m: Int[Array, ""], axis: int) -> Array:
+    """Entry `i` along `axis` is coefficient `m - i` of a reversed and padded array."""
+    length = reversed_.shape[axis] // 2
+    return lax.dynamic_slice_in_dim(reversed_, length - 1 - m, length, axis)
 
 
 # A matrix product contracting terms and columns at once, `sum_r A[r] @ B[r]`.
@@ -73,15 +70,11 @@ class DenseTerms(eqx.Module):
     ) -> Scaled:
         """`factor` times coefficient `m` of `G X` (or of `X G`), from the first `L`
         coefficients of `X`, each term scaled relative to the largest."""
-        length = x.exponent.shape[0]
-        start = length - 1 - m
-        window = lax.dynamic_slice_in_dim(self.reversed.exponent, start, length)
+        window = _window(self.reversed.exponent, m, axis=0)
         exponents = jnp.maximum(window + x.exponent, ZERO_EXPONENT)
         top = jnp.max(exponents)
         weights = powers_of_two(exponents - top, x.mantissa.real.dtype) * factor
-        generator = lax.dynamic_slice_in_dim(
-            self.reversed_factors, start, length, axis=-3
-        )
+        generator = _window(self.reversed_factors, m, axis=-3)
         weighted = complex_factors(x.mantissa * weights[:, None, None])
         pair = (generator, weighted) if generator_first else (weighted, generator)
         return normalised(complex_product(*pair, _SUM_OF_PRODUCTS), top)
@@ -117,7 +110,7 @@ class FactoredTerms(eqx.Module):
         """`factor c_l[m - i]` at `(l, i)`, with every term `c_l[m - i] M_l X[i]`
         scaled relative to the largest, whose exponent comes second: the matrices
         are then used as prepared."""
-        c = _window(self.scalars, m, axis=1)
+        c = jax.tree.map(lambda a: _window(a, m, axis=1), self.scalars)
         exponents = c.exponent + x.exponent + self.matrices.exponent[:, None]
         exponents = jnp.maximum(exponents, ZERO_EXPONENT)
         top = jnp.max(exponents)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Complex, Inexact, Int, Real, Shaped
 
 from ._recursion import DenseTerms, FactoredTerms, heisenberg_coefficients, Terms
-from ._scaled import factorials, ldexp
+from ._scaled import factorials, ldexp, Scaled
 from ._taylor import FactoredCoefficients, taylor_coefficients, taylor_expansion
 
 
@@ -315,5 +315,4 @@ def _operators(
 def _normalised(
     series: OperatorSeries, t: Real[Array, ""]
 ) -> Complex[Array, "terms n n"]:
-    mantissa, exponent = _normalised_frexp(series, t)
-    return ldexp(mantissa, exponent[:, None, None])
+    return Scaled(*_normalised_frexp(series, t)).values()

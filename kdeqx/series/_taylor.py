@@ -97,11 +97,6 @@ class _Factored:
         return self.scalars.shape[1]
 
     @property
-    def count(self) -> int:
-        """Terms, the constant counted as one."""
-        return self.scalars.shape[0] + (self.constant is not None)
-
-    @property
     def complex_scalars(self) -> bool:
         return jnp.iscomplexobj(self.scalars)
 
@@ -127,10 +122,11 @@ class _Factored:
             return total
         return total.at[0].add(self.constant.astype(dtype))
 
-    def value_at(self, m: int) -> Array:
+    def value(self) -> Array:
+        """The value at the expansion point."""
         dtype = self.matrices.dtype
-        total = jnp.tensordot(self.scalars[:, m], self.matrices, axes=1).astype(dtype)
-        if self.constant is None or m != 0:
+        total = jnp.tensordot(self.scalars[:, 0], self.matrices, axes=1).astype(dtype)
+        if self.constant is None:
             return total
         return total + self.constant.astype(dtype)
 
@@ -156,7 +152,7 @@ def _lift(x: Any, num_terms: int) -> Array:
 def _primal(x: Any) -> Any:
     """Value at the expansion point."""
     if isinstance(x, _Factored):
-        return x.value_at(0)
+        return x.value()
     return x.coeffs[0] if isinstance(x, _Series) else x
 
 
