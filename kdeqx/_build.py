@@ -42,10 +42,26 @@ def _sorted_orders(coords, valid, index_dtype):
     return jax.vmap(argsort_keys)(keys).astype(index_dtype)
 
 
-def _widest_dimension(orders, coords, level, *, n, max_segments):
+def _segment_size(level, depth: int, leaf_size: int):
+    """The slots of each segment (node) of `level`: `leaf_size * 2**(depth - level)`."""
+    return leaf_size << (depth - level)
+
+
+def _segment_of(position, level, depth: int, leaf_size: int):
+    """The segment of `level` that holds each slot `position` (a division by the
+    constant `leaf_size`, which the compiler turns into a multiplication, and a shift).
+    """
+    return (position // leaf_size) >> (depth - level)
+
+
+def _lowest_bit(m: int) -> int:
+    return m & -m
+
+
+def _widest_dimension(orders, coords, level, *, n, max_segments, depth, leaf_size):
     """Per segment of `level`, the dimension in which its points spread the most."""
     d, slots = orders.shape
-    size = slots >> level
+    size = _segment_size(level, depth, leaf_size)
     # Segments are counted up to the deepest level's number; the extra ones repeat
     # the last real segment.
     segment = jnp.minimum(
@@ -58,24 +74,26 @@ def _widest_dimension(orders, coords, level, *, n, max_segments):
     return jnp.argmax(spread, axis=0)
 
 
-def _left_ranks(flags, shift):
-    """For every slot, the number of set flags before it in its segment of
-    `2**shift` slots. Flags are packed into words, so the prefix count is a
-    population count within a word plus a cumulative sum over words."""
+def _left_ranks(flags, words_per_pair: int, level, depth: int):
+    """For every slot, the number of set flags before it in its segment of `level`.
+    Flags are packed into words, so the prefix count is a population count within a
+    word plus a cumulative sum over words. A pair of leaves (a segment of the deepest
+    level) spans `words_per_pair` words."""
     d, words, width = flags.shape
     bit = jnp.arange(width, dtype=jnp.uint32)
     packed = jnp.sum(flags.astype(jnp.uint32) << bit, axis=2, dtype=jnp.uint32)
     below = lax.population_count(packed[:, :, None] & ((jnp.uint32(1) << bit) - 1))
     count = lax.population_count(packed).astype(jnp.int32)
     before = jnp.cumsum(count, axis=1, dtype=jnp.int32) - count
-    word_shift = shift - (width.bit_length() - 1)  # log2 of words per segment
     word = jnp.arange(words, dtype=jnp.int32)
-    segment_first_word = (word >> word_shift) << word_shift
+    level_shift = depth - 1 - level  # segments of `level` span 2**this pairs
+    segment = (word // words_per_pair) >> level_shift
+    segment_first_word = (segment << level_shift) * words_per_pair
     before = before - before[:, segment_first_word]
     return below.astype(jnp.int32) + before[:, :, None]
 
 
-def _split_level(level, orders, *, coords, n, leaf_size):
+def _split_level(level, orders, *, coords, n, depth, leaf_size):
     """Splits every node of `level` at the median of its widest dimension.
 
     Nodes are aligned segments of `slots >> level` positions, and `orders[j]` lists each
@@ -84,23 +102,31 @@ def _split_level(level, orders, *, coords, n, leaf_size):
     halves. A prefix count and one scatter, no sort: the same program at every level.
     """
     d, slots = orders.shape
-    shift = (slots.bit_length() - 1) - level  # log2 of the segment size
-    size = 1 << shift
+    size = _segment_size(level, depth, leaf_size)
     widest = _widest_dimension(
-        orders, coords, level, n=n, max_segments=max(1, slots // (2 * leaf_size))
+        orders,
+        coords,
+        level,
+        n=n,
+        max_segments=max(1, slots // (2 * leaf_size)),
+        depth=depth,
+        leaf_size=leaf_size,
     )
     position = jnp.arange(slots, dtype=orders.dtype)
-    offset = position & (size - 1)  # within the segment
-    chosen_order = jnp.take_along_axis(orders, widest[position >> shift][None], 0)[0]
+    segment = _segment_of(position, level, depth, leaf_size)
+    offset = position - segment * size  # within the segment
+    chosen_order = jnp.take_along_axis(orders, widest[segment][None], 0)[0]
     goes_left = (
         jnp.zeros(slots, bool)
         .at[chosen_order]
         .set(offset < size // 2, unique_indices=True)
     )
 
-    width = min(32, 2 * leaf_size)  # a word never spans two segments
+    # A word never spans two segments: its width divides a pair of leaves.
+    width = min(32, _lowest_bit(2 * leaf_size))
     flags = goes_left[orders].reshape(d, slots // width, width)
-    left_rank = _left_ranks(flags, shift).astype(orders.dtype)
+    left_rank = _left_ranks(flags, 2 * leaf_size // width, level, depth)
+    left_rank = left_rank.astype(orders.dtype)
     offset = offset.reshape(slots // width, width)
     destination = (
         position.reshape(offset.shape)
@@ -156,8 +182,12 @@ def build_search_arrays(points: Float[Array, "n d"], leaf_size: int, period):
     coords = coords * scale
     coords = jnp.pad(coords, ((0, slots - n), (0, 0)))
     valid = jnp.arange(slots) < n
-    split = ft.partial(_split_level, coords=coords, n=n, leaf_size=leaf_size)
-    orders = lax.fori_loop(0, depth, split, _sorted_orders(coords, valid, index_dtype))
+    orders = _sorted_orders(coords, valid, index_dtype)
+    if depth > 0:
+        split = ft.partial(
+            _split_level, coords=coords, n=n, depth=depth, leaf_size=leaf_size
+        )
+        orders = lax.fori_loop(0, depth, split, orders)
     perm = orders[0].astype(index_dtype)  # at the leaves every order holds the same set
 
     leaf_points = coords[perm]

@@ -8,6 +8,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from ._custom_types import Array, ArrayLike, Bool, Float
+from ._metric import check_norm
 from ._validate import check_positive, check_static_int, check_values
 
 
@@ -97,6 +98,7 @@ class Interpolator(eqx.Module):
     k: int = eqx.field(static=True)
     kernel: Kernel = eqx.field(static=True)
     power: float = eqx.field(static=True)
+    p: float = eqx.field(static=True)
 
     def __init__(
         self,
@@ -107,6 +109,7 @@ class Interpolator(eqx.Module):
         kernel: Kernel = "idw",
         power: float = 2.0,
         length_scale: float | ArrayLike | None = None,
+        p: int | float = 2.0,
     ):
         """**Arguments:**
 
@@ -118,6 +121,7 @@ class Interpolator(eqx.Module):
             `"gaussian"` (weights `exp(-d**2 / (2 length_scale**2))`, smooth).
         - `power`: the IDW exponent (static float > 0).
         - `length_scale`: the Gaussian kernel's width (a trainable leaf).
+        - `p`: the Minkowski norm of the distances (static, `1 <= p <= inf`).
         """
         self.values = check_values(values, tree.n)
         kernel_weights(kernel, power, length_scale, self.values.dtype)
@@ -130,6 +134,7 @@ class Interpolator(eqx.Module):
         self.k = check_static_int("k", k, 1)
         self.kernel = kernel
         self.power = float(power)
+        self.p = check_norm(p, 0.0).p
 
     def __call__(self, x: ArrayLike) -> Float[Array, "..."]:
         """Interpolates at `x` of shape `(..., d)`; returns `(..., *feature)`."""
@@ -137,6 +142,7 @@ class Interpolator(eqx.Module):
             x,
             self.values,
             k=self.k,
+            p=self.p,
             kernel=self.kernel,
             power=self.power,
             length_scale=self.length_scale,

@@ -9,6 +9,7 @@ from ._backend import lexicographic_less
 from ._custom_types import Array, Bool, Float, Int, Neighbours, Queries, Threshold
 from ._merge import merge_k_best
 from ._mesh import split_like_queries, split_over_cpu_devices
+from ._metric import Minkowski
 from ._search import found_distances, search
 from ._traverse import AbstractVisitor
 
@@ -49,12 +50,15 @@ class _KNearest(AbstractVisitor):
 @split_over_cpu_devices
 @eqx.filter_jit
 @split_like_queries
-def knn(tree: "KDTree", x: Queries, bound: Threshold, k: int) -> Neighbours:
+def knn(
+    tree: "KDTree", x: Queries, bound: Threshold, k: int, metric: Minkowski
+) -> Neighbours:
     """`tree.query` on validated queries."""
+    index_dtype = tree.leaf_indices.dtype
     states, far = search(
-        tree, x, bound, lambda b2: _KNearest(k, b2, tree.leaf_indices.dtype)
+        tree, x, bound, lambda b2: _KNearest(k, b2, index_dtype), metric
     )
     d2, indices = states
     missing = (indices < 0) | far.beyond(far.distance < bound)[..., None]
     indices = jnp.where(missing, tree.n, indices)
-    return found_distances(tree, x, indices, d2, far), indices
+    return found_distances(tree, x, indices, d2, far, metric), indices

@@ -1,11 +1,17 @@
-"""Euclidean distances, optionally with periodic axes (minimum image), and safe norms.
+"""Minkowski distances, optionally with periodic axes (minimum image), and safe norms.
 
 `period` is `None` (no periodic axis) or a `(d,)` array of box lengths, where a length
 `<= 0` marks an axis as not periodic.
 """
 
+import math
+
+import equinox as eqx
+import jax
+import jax.core
 import jax.lax as lax
 import jax.numpy as jnp
+import numpy as np
 
 from ._backend import sum_by_additions, sum_nonnegative
 from ._custom_types import Array, Float
@@ -39,45 +45,156 @@ def wrap_into_box(x: Float[Array, "... d"], period) -> Float[Array, "... d"]:
     return _on_periodic_axes(_into_box, x, period)
 
 
-def squared_distances(x: Float[Array, " d"], points: Float[Array, "m d"], period):
-    """The squared distances from `x` to each of `points`."""
-    diff = minimum_image(points - x, period)
-    return sum_nonnegative(diff * diff)
+class Minkowski(eqx.Module):
+    """A search's distance: the Minkowski `p`-norm `(sum_j |x_j - y_j|**p)**(1/p)`
+    (`max_j |x_j - y_j|` for `p = inf`), and scipy's approximation `eps`.
 
-
-def squared_distance_to_box(
-    x: Float[Array, " d"], lo, hi, period, by_additions: bool = False
-):
-    """A lower bound on the squared distance from `x` to any point in the box.
-
-    It is shrunk by a few ulps per dimension: a point on the box's nearest corner has
-    the same exact distance, but the two sums may round differently (fused or not), and
-    a bound one ulp too high would prune a tie that must be visited. `by_additions`
-    sums by plain additions (see `kdeqx._backend.sum_by_additions`).
+    The walk compares *powered* distances, `sum_j |x_j - y_j|**p` (the maximum for
+    `p = inf`), which order as the distances do and need no root. `eps` (a scalar
+    array, or `None` for an exact search) lets it skip a subtree whose nearest point is
+    farther than `threshold / (1 + eps)`.
     """
-    gap = jnp.maximum(jnp.maximum(lo - x, x - hi), 0)
-    if period is not None:
-        # Both x and the box lie in [0, L): the images x - L and x + L are the others.
-        below = jnp.maximum(lo - (x + period), 0) + jnp.maximum((x + period) - hi, 0)
-        above = jnp.maximum(lo - (x - period), 0) + jnp.maximum((x - period) - hi, 0)
-        gap = jnp.where(period > 0, jnp.minimum(gap, jnp.minimum(below, above)), gap)
-    slack = 4 * (x.shape[-1] + 2) * jnp.finfo(x.dtype).eps
-    squares = gap * gap
-    total = sum_by_additions(squares) if by_additions else jnp.sum(squares, axis=-1)
-    return total * (1 - slack)
+
+    p: float = eqx.field(static=True)
+    eps: Float[Array, ""] | None = None
+
+    @property
+    def is_max(self) -> bool:
+        return self.p == math.inf
+
+    def powered(self, diff: Float[Array, "... d"], by_additions: bool = False):
+        """The powered length of the coordinate differences `diff`, over the last axis.
+
+        `by_additions` sums by plain additions (see `kdeqx._backend.sum_by_additions`).
+        """
+        if self.is_max:
+            return jnp.max(jnp.abs(diff), axis=-1)
+        terms = self._terms(diff)
+        if by_additions:
+            return sum_by_additions(terms)
+        return sum_nonnegative(terms)
+
+    def _terms(self, diff):
+        if self.p == 2:
+            return diff * diff
+        if self.p == 1:
+            return jnp.abs(diff)
+        return jnp.abs(diff) ** self.p
+
+    def to_power(self, distance: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
+        """A distance as a powered distance: `distance**p` (itself for `p = inf`);
+        one that overflows becomes the largest finite float."""
+        if self.is_max or self.p == 1:
+            return distance
+        powered = distance * distance if self.p == 2 else distance**self.p
+        return jnp.minimum(powered, jnp.finfo(powered.dtype).max)
+
+    def from_power(self, powered: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
+        if self.is_max or self.p == 1:
+            return powered
+        if self.p == 2:
+            return jnp.sqrt(powered)
+        return powered ** (1 / self.p)
+
+    def norm(self, diff: Float[Array, "... d"]) -> Float[Array, "..."]:
+        """The norm over the last axis; its gradient at zero is zero, not NaN."""
+        if self.is_max:
+            return jnp.max(jnp.abs(diff), axis=-1)
+        if self.p == 1:
+            return jnp.sum(jnp.abs(diff), axis=-1)
+        total = jnp.sum(self._terms(diff), axis=-1)
+        positive = total > 0
+        return jnp.where(positive, self.from_power(jnp.where(positive, total, 1)), 0)
+
+    @property
+    def exponent_bound(self) -> int:
+        """How many times a coordinate difference's exponent counts in a powered
+        distance (for the overflow bound of `kdeqx._traverse.far_limit`)."""
+        return 1 if self.is_max else math.ceil(self.p)
+
+    def prunes_by(self, dtype) -> Float[Array, ""] | None:
+        """The factor `(1 + eps)**p` by which the walk inflates its lower bounds on
+        subtrees' powered distances, or `None` when it is exact."""
+        if self.eps is None:
+            return None
+        one_plus = 1 + self.eps.astype(dtype)
+        return one_plus if self.is_max else one_plus**self.p
+
+    def box_lower_bound(
+        self, x: Float[Array, " d"], lo, hi, period, by_additions: bool = False
+    ):
+        """A lower bound on the powered distance from `x` to any point in the box.
+
+        It is shrunk by a few ulps per dimension: a point on the box's nearest corner
+        has the same exact distance, but the two sums may round differently (fused or
+        not), and a bound one ulp too high would prune a tie that must be visited.
+        """
+        gap = _gap_to_box(x, lo, hi)
+        if period is not None:
+            # x and the box lie in [0, L): the images x - L and x + L are the others.
+            images = jnp.minimum(
+                _gap_to_box(x + period, lo, hi), _gap_to_box(x - period, lo, hi)
+            )
+            gap = jnp.where(period > 0, jnp.minimum(gap, images), gap)
+        slack = 4 * (x.shape[-1] + 2) * self.exponent_bound * jnp.finfo(x.dtype).eps
+        return self.powered(gap, by_additions) * (1 - slack)
+
+    def leaf_distances(
+        self, x: Float[Array, " d"], points: Float[Array, "m d"], period
+    ) -> Float[Array, " m"]:
+        """The powered distances from `x` to each of `points`."""
+        return self.powered(minimum_image(points - x, period))
 
 
-def safe_norm(diff: Float[Array, "... d"]) -> Float[Array, "..."]:
-    """Euclidean norm over the last axis whose gradient at zero is zero, not NaN."""
-    d2 = jnp.sum(diff * diff, axis=-1)
-    positive = d2 > 0
-    return jnp.where(positive, jnp.sqrt(jnp.where(positive, d2, 1)), 0)
+def _gap_to_box(x, lo, hi):
+    """Per axis, how far `x` lies outside `[lo, hi]`."""
+    return jnp.maximum(jnp.maximum(lo - x, x - hi), 0)
+
+
+EUCLIDEAN = Minkowski(2.0)
+
+
+def check_norm(p, eps) -> Minkowski:
+    """scipy's `p` (a Python number, `1 <= p <= inf`) and `eps` (`>= 0`, a number or a
+    scalar array, checked like any value) as a `Minkowski`."""
+    if isinstance(p, bool) or not isinstance(p, int | float | np.integer | np.floating):
+        raise TypeError(
+            f"`p` must be a Python number (it is static: it chooses the program), got "
+            f"{type(p).__name__}."
+        )
+    if not p >= 1:  # NaN too
+        raise ValueError(f"`p` must be >= 1 (a norm), got {p}.")
+    if isinstance(eps, int | float | np.integer | np.floating) and not isinstance(
+        eps, bool
+    ):
+        if not eps >= 0 or not math.isfinite(eps):
+            raise ValueError(f"`eps` must be finite and >= 0, got {eps}.")
+        return Minkowski(float(p), None if eps == 0 else jnp.asarray(float(eps)))
+    eps = jnp.asarray(eps)
+    real = jnp.issubdtype(eps.dtype, jnp.floating) or jnp.issubdtype(
+        eps.dtype, jnp.integer
+    )
+    if eps.ndim != 0 or not real:
+        raise ValueError(f"`eps` must be a real scalar, got {eps.dtype}{eps.shape}.")
+    return Minkowski(float(p), _check_eps_value(eps))
+
+
+def _check_eps_value(eps: Array) -> Array:
+    eps = eps.astype(jnp.result_type(float))
+    bad = ~(jnp.isfinite(eps) & (eps >= 0))
+    if not isinstance(eps, jax.core.Tracer):
+        if bool(bad):
+            raise ValueError(f"`eps` must be finite and >= 0, got {eps}.")
+        return eps
+    return eqx.error_if(eps, bad, "`eps` must be finite and >= 0.")
 
 
 def norm_without_overflow(
-    diff: Float[Array, "... d"], largest: Float[Array, "... 1"] | None = None
+    diff: Float[Array, "... d"],
+    largest: Float[Array, "... 1"] | None = None,
+    metric: Minkowski = EUCLIDEAN,
 ) -> Float[Array, "..."]:
-    """`safe_norm` of `diff` brought near 1 by a power of two first, so that the
+    """`metric.norm` of `diff` brought near 1 by a power of two first, so that the
     squares neither overflow nor underflow (float32 differences beyond ~1e19 would
     square to `inf`).
 
@@ -95,4 +212,4 @@ def norm_without_overflow(
     exponent = jnp.clip(exponent - 1, info.minexp + 1, info.maxexp - 2)
     one = jnp.ones((), diff.dtype)
     scaled = diff * jnp.ldexp(one, -exponent)
-    return safe_norm(scaled) * jnp.ldexp(one, exponent)[..., 0]
+    return metric.norm(scaled) * jnp.ldexp(one, exponent)[..., 0]

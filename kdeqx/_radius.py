@@ -10,6 +10,7 @@ from ._backend import sort_pairs
 from ._custom_types import Array, Ball, Bool, Float, Int, Queries, Threshold
 from ._merge import merge_k_best, RANK_MERGE_MAX_K
 from ._mesh import split_like_queries, split_over_cpu_devices
+from ._metric import Minkowski
 from ._search import found_distances, search
 from ._traverse import AbstractVisitor
 
@@ -76,13 +77,18 @@ class _BallCollect(AbstractVisitor):
 @split_over_cpu_devices
 @eqx.filter_jit
 @split_like_queries
-def count_ball_point(tree: "KDTree", x: Queries, r: Threshold) -> Int[Array, "*batch"]:
+def count_ball_point(
+    tree: "KDTree", x: Queries, r: Threshold, metric: Minkowski
+) -> Int[Array, "*batch"]:
     """`tree.count_ball_point` on validated queries and radii."""
-    counts, far = search(tree, x, r, lambda r2: _BallCount(r2, tree.leaf_indices.dtype))
+    index_dtype = tree.leaf_indices.dtype
+    counts, far = search(tree, x, r, lambda r2: _BallCount(r2, index_dtype), metric)
     return jnp.where(far.beyond(far.distance <= r), 0, counts)
 
 
-def _nearest_in_ball(tree: "KDTree", x: Queries, r: Threshold, capacity: int):
+def _nearest_in_ball(
+    tree: "KDTree", x: Queries, r: Threshold, capacity: int, metric: Minkowski
+):
     """The `capacity` nearest points within `r` of each query (sorted), and the
     counts. Small capacities keep the nearest as the walk goes; large ones collect
     the points found in `O(found)` and sort them once, and walk again keeping the
@@ -91,7 +97,11 @@ def _nearest_in_ball(tree: "KDTree", x: Queries, r: Threshold, capacity: int):
 
     def collecting(nearest: bool):
         return search(
-            tree, x, r, lambda r2: _BallCollect(capacity, r2, index_dtype, nearest)
+            tree,
+            x,
+            r,
+            lambda r2: _BallCollect(capacity, r2, index_dtype, nearest),
+            metric,
         )
 
     if capacity <= RANK_MERGE_MAX_K:
@@ -109,12 +119,14 @@ def _nearest_in_ball(tree: "KDTree", x: Queries, r: Threshold, capacity: int):
 @split_over_cpu_devices
 @eqx.filter_jit
 @split_like_queries
-def query_ball_point(tree: "KDTree", x: Queries, r: Threshold, capacity: int) -> Ball:
+def query_ball_point(
+    tree: "KDTree", x: Queries, r: Threshold, capacity: int, metric: Minkowski
+) -> Ball:
     """`tree.query_ball_point` on validated queries and radii."""
     index_dtype = tree.leaf_indices.dtype
-    (d2, indices, counts), far = _nearest_in_ball(tree, x, r, capacity)
+    (d2, indices, counts), far = _nearest_in_ball(tree, x, r, capacity, metric)
     beyond = far.beyond(far.distance <= r)
     empty = indices == jnp.iinfo(index_dtype).max
     indices = jnp.where(empty | beyond[..., None], tree.n, indices)
-    distances = found_distances(tree, x, indices, d2, far)
+    distances = found_distances(tree, x, indices, d2, far, metric)
     return distances, indices, jnp.where(beyond, 0, counts)

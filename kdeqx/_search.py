@@ -5,11 +5,12 @@ A query kind is a visitor (`kdeqx._traverse.AbstractVisitor`) and a few lines th
 turn its final states into answers:
 
 ```python
-states, far = search(tree, x, r, lambda r2: _BallCount(r2, count_dtype))
+states, far = search(tree, x, r, lambda r2: _BallCount(r2, count_dtype), metric)
 return jnp.where(far.beyond(far.distance <= r), 0, states)
 ```
 """
 
+import functools as ft
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 
 from ._custom_types import Array, Bool, Float, Int, PyTree
-from ._metric import minimum_image, norm_without_overflow, wrap_into_box
+from ._metric import minimum_image, Minkowski, norm_without_overflow, wrap_into_box
 from ._traverse import AbstractVisitor, far_limit, walk_many
 
 
@@ -45,7 +46,9 @@ class FarQueries(eqx.Module):
         return self.far & ~admits
 
 
-def far_queries(tree: "KDTree", x: Float[Array, "*batch d"]) -> FarQueries:
+def far_queries(
+    tree: "KDTree", x: Float[Array, "*batch d"], metric: Minkowski
+) -> FarQueries:
     x = wrap_into_box(lax.stop_gradient(x), tree.period)
     scale = lax.stop_gradient(tree.scale)
     lo, hi = (lax.stop_gradient(box[0]) / scale for box in (tree.node_lo, tree.node_hi))
@@ -54,20 +57,22 @@ def far_queries(tree: "KDTree", x: Float[Array, "*batch d"]) -> FarQueries:
     # Every clamped query is this far (the tree lies within 1 of the origin), and from
     # this far every point is at `distance`, to float precision, anyway.
     return FarQueries(
-        far=largest * scale >= far_limit(x.dtype, x.shape[-1]) / 2,
-        distance=norm_without_overflow(gap, largest[..., None]),
+        far=largest * scale >= far_limit(x.dtype, x.shape[-1], metric) / 2,
+        distance=norm_without_overflow(gap, largest[..., None], metric),
     )
 
 
-def search_radius2(tree: "KDTree", r: Float[Array, "*batch"]) -> Float[Array, "*batch"]:
-    """A distance `r` as a squared distance in the tree's scaled search coordinates.
+def search_threshold(
+    tree: "KDTree", r: Float[Array, "*batch"], metric: Minkowski
+) -> Float[Array, "*batch"]:
+    """A distance `r` as a powered distance in the tree's scaled search coordinates.
 
-    A square that overflows becomes the largest finite float, not `inf`: every real
-    point's squared distance is finite (see `far_limit`), and leaf padding, at `inf`,
+    A power that overflows becomes the largest finite float, not `inf`: every real
+    point's powered distance is finite (see `far_limit`), and leaf padding, at `inf`,
     must stay outside every ball.
     """
     scaled = r * lax.stop_gradient(tree.scale)
-    return jnp.minimum(scaled * scaled, jnp.finfo(scaled.dtype).max)
+    return jnp.minimum(metric.to_power(scaled), jnp.finfo(scaled.dtype).max)
 
 
 def search(
@@ -75,6 +80,7 @@ def search(
     x: Float[Array, "*batch d"],
     threshold: Float[Array, "*batch"] | Float[Array, ""],
     make_visitor: Callable[[Float[Array, ""]], AbstractVisitor],
+    metric: Minkowski,
 ) -> tuple[PyTree, FarQueries]:
     """Walks every query with the visitor for its threshold.
 
@@ -83,8 +89,9 @@ def search(
     - `x`: queries, shape `(*batch, d)`, validated.
     - `threshold`: a distance (a bound or a radius), a scalar shared by all queries
         (one visitor for all: a smaller program) or one per query, of shape `batch`.
-    - `make_visitor`: the visitor for a threshold given as a squared distance in the
-        tree's search coordinates (`search_radius2`).
+    - `make_visitor`: the visitor for a threshold given as a powered distance in the
+        tree's search coordinates (`search_threshold`).
+    - `metric`: the distance, and how approximate the search may be.
 
     **Returns:**
 
@@ -92,7 +99,7 @@ def search(
     tree, or no queries, gives the initial states) and the queries' `FarQueries`.
     """
     batch = x.shape[:-1]
-    threshold2 = search_radius2(tree, threshold)
+    threshold2 = search_threshold(tree, threshold, metric)
 
     def in_batch(states):
         return jax.tree.map(lambda s: s.reshape(*batch, *s.shape[1:]), states)
@@ -105,10 +112,11 @@ def search(
         return in_batch(jax.vmap(lambda v: v.init())(visitors)), nowhere
     flat_x = x.reshape(-1, tree.d)
     if threshold2.ndim == 0:
-        states = walk_many(tree, flat_x, make_visitor(threshold2), None)
+        states = walk_many(tree, flat_x, make_visitor(threshold2), metric, None)
     else:
-        states = walk_many(tree, flat_x, jax.vmap(make_visitor)(threshold2.ravel()))
-    return in_batch(states), far_queries(tree, x)
+        visitors = jax.vmap(make_visitor)(threshold2.ravel())
+        states = walk_many(tree, flat_x, visitors, metric)
+    return in_batch(states), far_queries(tree, x, metric)
 
 
 def rows_at(values: Array, indices: Int[Array, "*batch k"]) -> Array:
@@ -121,13 +129,17 @@ def rows_at(values: Array, indices: Int[Array, "*batch k"]) -> Array:
 
 
 def neighbour_distances(
-    tree: "KDTree", x: Float[Array, "*batch d"], indices: Int[Array, "*batch k"]
+    tree: "KDTree",
+    x: Float[Array, "*batch d"],
+    indices: Int[Array, "*batch k"],
+    p: float = 2.0,
 ) -> Float[Array, "*batch k"]:
     """Differentiable distances to the chosen rows of `points`; `inf` at sentinels."""
     if tree.n == 0:
         return jnp.full(indices.shape, jnp.inf, x.dtype)
     diff = minimum_image(x[..., None, :] - rows_at(tree.points, indices), tree.period)
-    return jnp.where(indices < tree.n, norm_without_overflow(diff), jnp.inf)
+    distances = norm_without_overflow(diff, metric=Minkowski(p))
+    return jnp.where(indices < tree.n, distances, jnp.inf)
 
 
 def found_distances(
@@ -136,8 +148,9 @@ def found_distances(
     indices: Int[Array, "*batch k"],
     d2: Float[Array, "*batch k"],
     far: FarQueries,
+    metric: Minkowski,
 ) -> Float[Array, "*batch k"]:
-    """The distances to the found neighbours, `inf` at sentinels, from the squared
+    """The distances to the found neighbours, `inf` at sentinels, from the powered
     distances `d2` the walk measured (in search coordinates; for far queries, their
     distance to the tree), with the derivatives of `neighbour_distances`.
 
@@ -146,25 +159,25 @@ def found_distances(
     program needs no second pass over the neighbours' rows, which was an eighth of
     its compile work; only derivatives gather them.
     """
-    measured = jnp.sqrt(d2) / lax.stop_gradient(tree.scale)
+    measured = metric.from_power(d2) / lax.stop_gradient(tree.scale)
     measured = jnp.where(far.far[..., None], far.distance[..., None], measured)
     return _differentiable(
-        jnp.where(indices < tree.n, measured, jnp.inf), tree, x, indices
+        metric.p, jnp.where(indices < tree.n, measured, jnp.inf), tree, x, indices
     )
 
 
-@jax.custom_jvp
-def _differentiable(measured, tree, x, indices):
-    """`measured`, differentiated as `neighbour_distances(tree, x, indices)`."""
+@ft.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _differentiable(p, measured, tree, x, indices):
+    """`measured`, differentiated as `neighbour_distances(tree, x, indices, p)`."""
     return measured
 
 
 @_differentiable.defjvp
-def _differentiable_jvp(primals, tangents):
+def _differentiable_jvp(p, primals, tangents):
     measured, tree, x, indices = primals
     _, tree_dot, x_dot, _ = tangents
     value, value_dot = jax.jvp(
-        lambda t, y: neighbour_distances(t, y, indices), (tree, x), (tree_dot, x_dot)
+        lambda t, y: neighbour_distances(t, y, indices, p), (tree, x), (tree_dot, x_dot)
     )
     # The value of `measured` (equal up to rounding), the derivatives of `value`, to
     # every order.

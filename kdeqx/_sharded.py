@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._custom_types import Array, ArrayLike, Float, Int
+from ._metric import Minkowski
 from ._search import rows_at
 from ._tree import AbstractKDTree, check_leaf_size, check_points, KDTree
 from ._validate import as_period, index_dtype_for
@@ -162,20 +163,22 @@ class ShardedKDTree(AbstractKDTree):
     def dtype(self) -> jnp.dtype:
         return self.leftover.dtype
 
-    def _knn(self, x, bound, k):
-        distances, indices, _, _ = _merged(self, x, bound, "knn", k, None)
+    def _knn(self, x, bound, k, metric):
+        distances, indices, _, _ = _merged(self, x, bound, metric, "knn", k, None)
         return distances, indices
 
-    def _count(self, x, r):
-        return _merged(self, x, r, "count", 0, None)[3]
+    def _count(self, x, r, metric):
+        return _merged(self, x, r, metric, "count", 0, None)[3]
 
-    def _collect(self, x, r, max_neighbors):
-        distances, indices, _, counts = _merged(self, x, r, "ball", max_neighbors, None)
+    def _collect(self, x, r, max_neighbors, metric):
+        answer = _merged(self, x, r, metric, "ball", max_neighbors, None)
+        distances, indices, _, counts = answer
         return distances, indices, counts
 
-    def _knn_rows(self, x, k, values):
+    def _knn_rows(self, x, k, values, metric):
         bound = jnp.asarray(jnp.inf, x.dtype)
-        distances, indices, rows, _ = _merged(self, x, bound, "knn", k, values)
+        answer = _merged(self, x, bound, metric, "knn", k, values)
+        distances, indices, rows, _ = answer
         return distances, indices, rows
 
 
@@ -240,15 +243,15 @@ def _build(
 _Kind = Literal["knn", "count", "ball"]
 
 
-def _local_answer(tree: KDTree, kind: _Kind, x, threshold, k: int):
+def _local_answer(tree: KDTree, kind: _Kind, x, threshold, metric: Minkowski, k: int):
     """One tree's `(distances, indices, counts)` for a query kind, `None` where the
     kind has none; at most `n` candidates of a tree of `n >= 1` points."""
     k = min(k, tree.n)
     if kind == "knn":
-        return (*tree._knn(x, threshold, k), None)
+        return (*tree._knn(x, threshold, k, metric), None)
     if kind == "count":
-        return None, None, tree._count(x, threshold)
-    return tree._collect(x, threshold, k)
+        return None, None, tree._count(x, threshold, metric)
+    return tree._collect(x, threshold, k, metric)
 
 
 @eqx.filter_jit
@@ -256,6 +259,7 @@ def _merged(
     tree: ShardedKDTree,
     x: Float[Array, "*batch d"],
     threshold: Float[Array, "*batch"] | Float[Array, ""],
+    metric: Minkowski,
     kind: _Kind,
     k: int,
     values: Float[Array, "n ..."] | None,
@@ -280,11 +284,11 @@ def _merged(
         rows = None if value_rows is None else rows_at(value_rows, local_indices)
         return distances, indices, rows
 
-    def on_device(shards, leftover, x, threshold, value_blocks, value_rest):
+    def on_device(shards, leftover, x, threshold, metric, value_blocks, value_rest):
         candidates, counts = [], []
         if shards is not None:
             distances, indices, local_counts = _local_answer(
-                _local_tree(shards), kind, x, threshold, k
+                _local_tree(shards), kind, x, threshold, metric, k
             )
             if local_counts is not None:
                 local_counts = local_counts.astype(index_dtype)
@@ -302,7 +306,7 @@ def _merged(
                 )
         if leftover.n > 0:
             distances, indices, rest_counts = _local_answer(
-                leftover, kind, x, threshold, k
+                leftover, kind, x, threshold, metric, k
             )
             if rest_counts is not None:
                 counts.append(rest_counts.astype(index_dtype))
@@ -328,7 +332,8 @@ def _merged(
         return *best, (None if kind == "knn" else total)
 
     sharded, replicated = PartitionSpec(tree.axis_name), PartitionSpec()
-    in_specs = (sharded, replicated, replicated, replicated, sharded, replicated)
+    in_specs = (sharded, replicated, replicated, replicated, replicated)
+    in_specs = (*in_specs, sharded, replicated)
     return _on_mesh(on_device, tree.mesh, in_specs, replicated)(
-        tree.shards, tree.leftover, x, threshold, value_blocks, value_rest
+        tree.shards, tree.leftover, x, threshold, metric, value_blocks, value_rest
     )

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from ._backend import argsort_keys, gather_clamped, lane_count, MAX_STEPS
 from ._custom_types import Array, Bool, Float, Int, PyTree, UInt
-from ._metric import squared_distance_to_box, squared_distances, wrap_into_box
+from ._metric import Minkowski, wrap_into_box
 
 
 if TYPE_CHECKING:
@@ -71,17 +71,18 @@ class AbstractVisitor(eqx.Module):
         """
 
 
-def far_limit(dtype, d: int) -> float:
+def far_limit(dtype, d: int, metric: Minkowski) -> float:
     """The search clamps scaled query coordinates into `[-C, C]`, `C` a power of two.
 
-    The tree's scaled coordinates lie in `[-1, 1]`, so squared distances stay below
-    `d (C + 1)**2`, which is finite. A query beyond `C` (2**62 in float32 and 3-D) is
+    The tree's scaled coordinates lie in `[-1, 1]`, so powered distances stay below
+    `d (C + 1)**p`, which is finite. A query beyond `C` (2**62 in float32, 3-D and
+    `p = 2`; 2**41 for `p = 3`) is
     so far that every point of the tree is at the same distance to float precision:
     the walk from the clamped query still ranks them all equal (by index), and the
     query's entry point replaces distances and thresholds by the true ones.
     """
-    max_exponent = jnp.finfo(dtype).maxexp
-    return 2.0 ** ((max_exponent - 2 - math.ceil(math.log2(d))) // 2)
+    headroom = jnp.finfo(dtype).maxexp - 2 - math.ceil(math.log2(d))
+    return 2.0 ** (headroom // metric.exponent_bound)
 
 
 class _Steps(eqx.Module):
@@ -89,11 +90,16 @@ class _Steps(eqx.Module):
 
     tree: "KDTree"
     period: Float[Array, " d"] | None
+    metric: Minkowski
+    prune_factor: Float[Array, ""] | None
 
-    def __init__(self, tree):
+    def __init__(self, tree, metric: Minkowski):
         self.tree = lax.stop_gradient(tree)
         scale = self.tree.scale
-        self.period = None if tree.period is None else self.tree.period * scale
+        period = self.tree.period
+        self.period = None if period is None else period * scale
+        self.metric = metric
+        self.prune_factor = metric.prunes_by(scale.dtype)
 
     @property
     def first_leaf(self) -> int:
@@ -103,20 +109,20 @@ class _Steps(eqx.Module):
         """`x` in the scaled (and, in a periodic box, wrapped) search coordinates."""
         tree = self.tree
         scaled = wrap_into_box(lax.stop_gradient(x), tree.period) * tree.scale
-        limit = far_limit(scaled.dtype, scaled.shape[-1])
+        limit = far_limit(scaled.dtype, scaled.shape[-1], self.metric)
         return jnp.clip(scaled, -limit, limit)
 
     def is_internal(self, node: Int[Array, "*lanes"]) -> Bool[Array, "*lanes"]:
         return (node >= 0) & (node < self.first_leaf)
 
     def children(self, x, node, by_additions: bool = False):
-        """The children of `node` as `(near, far)` with their squared box distances;
+        """The children of `node` as `(near, far)` with their powered box distances;
         the left child is near when the two tie."""
         tree = self.tree
         left = 2 * node + 1
         right = left + 1
         d2_left, d2_right = (
-            squared_distance_to_box(
+            self.metric.box_lower_bound(
                 x,
                 gather_clamped(tree.node_lo, child),
                 gather_clamped(tree.node_hi, child),
@@ -150,6 +156,8 @@ class _Steps(eqx.Module):
         min_index = self.tree.node_min_index
         parent = (node - 1) >> 1  # the root's parent is -1: the walk is over
         near, far, near_d2, far_d2 = self.children(x, node)
+        if self.prune_factor is not None:  # scipy's `eps`: skip nearly-far subtrees
+            near_d2, far_d2 = near_d2 * self.prune_factor, far_d2 * self.prune_factor
         visit_near = visitor.should_visit(
             state, near_d2, gather_clamped(min_index, near)
         )
@@ -174,20 +182,25 @@ class _Steps(eqx.Module):
         points = lax.dynamic_slice_in_dim(tree.leaf_points, start, tree.leaf_size)
         indices = lax.dynamic_slice_in_dim(tree.leaf_indices, start, tree.leaf_size)
         d2 = jnp.where(
-            indices < tree.n, squared_distances(x, points, self.period), jnp.inf
+            indices < tree.n,
+            self.metric.leaf_distances(x, points, self.period),
+            jnp.inf,
         )
         visited = visitor.visit_leaf(state, d2, indices)
         state = jax.tree.map(lambda v, s: jnp.where(at_leaf, v, s), visited, state)
         return state, jnp.where(at_leaf, (node - 1) >> 1, node)
 
 
-def walk(tree, x: Float[Array, " d"], visitor: AbstractVisitor) -> _State:
+def walk(
+    tree, x: Float[Array, " d"], visitor: AbstractVisitor, metric: Minkowski
+) -> _State:
     """Runs `visitor` over every leaf it does not prune, nearest subtrees first.
 
-    The visitor sees squared distances in the tree's search coordinates, which are
-    scaled by `tree.scale`: express its thresholds with `kdeqx._search.search_radius2`.
+    The visitor sees `metric`'s powered distances in the tree's search coordinates,
+    which are scaled by `tree.scale`: express its thresholds with
+    `kdeqx._search.search_threshold`.
     """
-    steps = _Steps(tree)
+    steps = _Steps(tree, metric)
     x = steps.search_point(x)
 
     def to_next_leaf(carry):
@@ -235,9 +248,11 @@ def walk_many(
     tree,
     x: Float[Array, "q d"],
     visitors: AbstractVisitor,
+    metric: Minkowski,
     visitor_axis: int | None = 0,
 ) -> _State:
-    """`jax.vmap(walk, (None, 0, visitor_axis))(tree, x, visitors)`, by lanes that
+    """`jax.vmap(walk, (None, 0, visitor_axis, None))(tree, x, visitors, metric)`, by
+    lanes that
     take the next query as soon as theirs is done.
 
     **Arguments:** `x` holds `q >= 1` queries; `visitors` is a batch of `q` visitors
@@ -267,8 +282,10 @@ def walk_many(
         sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(one_state))
     )
     if q <= lanes:
-        return jax.vmap(walk, in_axes=(None, 0, visitor_axis))(tree, x, visitors)
-    steps = _Steps(tree)
+        return jax.vmap(walk, in_axes=(None, 0, visitor_axis, None))(
+            tree, x, visitors, metric
+        )
+    steps = _Steps(tree, metric)
     move = jax.vmap(steps.move, in_axes=(0, visitor_axis, 0, 0, 0))
     visit = jax.vmap(steps.visit, in_axes=(0, visitor_axis, 0, 0))
 

@@ -6,6 +6,7 @@ the private `_knn`, `_count`, `_collect` and `_knn_rows` methods.
 """
 
 import abc
+from collections.abc import Sequence
 from typing import ClassVar
 
 import equinox as eqx
@@ -24,6 +25,7 @@ from ._custom_types import (
     Threshold,
 )
 from ._mesh import split_like_queries
+from ._metric import check_norm, Minkowski
 from ._search import rows_at
 from ._validate import (
     as_float_array,
@@ -75,11 +77,13 @@ class AbstractKDTree(eqx.Module):
     def query(
         self,
         x: ArrayLike,
-        k: int = 1,
+        k: int | Sequence[int] = 1,
         *,
+        eps: float | ArrayLike = 0.0,
+        p: int | float = 2.0,
         distance_upper_bound: float | ArrayLike = jnp.inf,
     ) -> tuple[Float[Array, "*batch k"], Int[Array, "*batch k"]]:
-        """Finds the `k` nearest points to each query (Euclidean distance).
+        """Finds the `k` nearest points to each query.
 
         Semantics follow `scipy.spatial.cKDTree.query`, with two deliberate choices:
         the trailing `k` axis is always present, and equal distances are ordered by
@@ -88,44 +92,74 @@ class AbstractKDTree(eqx.Module):
         **Arguments:**
 
         - `x`: queries, shape `(d,)` or `(..., d)`. Must be finite.
-        - `k`: number of neighbours, a static Python int `>= 1`. `k > n` is allowed
-            and costs what `k = n` costs: the neighbours beyond `n` are sentinels.
+        - `k`: number of neighbours, a static Python int `>= 1`, or a sequence of
+            ranks counted from 1, as scipy's (`k=[1, 3, 8]`: the nearest, the third
+            and the eighth; `k=n` is `k=range(1, n + 1)`). `k > n` is allowed and
+            costs what `k = n` costs: the neighbours beyond `n` are sentinels.
+        - `eps`: approximate search, `>= 0`, as scipy's: the `j`-th neighbour
+            returned is at most `(1 + eps)` times as far as the true `j`-th nearest
+            point. Subtrees farther than the current `k`-th distance over `1 + eps`
+            are skipped, so `eps > 0` visits fewer leaves. `0` (default) is exact.
+        - `p`: the Minkowski norm, a static Python number `1 <= p <= inf`
+            (`(sum_j |x_j - y_j|**p)**(1/p)`, `max_j |x_j - y_j|` for `inf`); `1`,
+            `2` (default) and `inf` take the fastest paths. For other `p` the walk
+            compares sums of `p`-th powers, as scipy does, whose range narrows with
+            `p` (in float32 a difference below `2**(-126/p)` times the data's extent
+            counts as 0).
         - `distance_upper_bound`: only points at distance strictly less than this are
             returned (a scalar, or one value per query of shape `(...)`).
 
         **Returns:**
 
-        `(distances, indices)`, each of shape `(..., k)`, sorted by distance (ties by
-        index). `indices` are rows of the points. Missing neighbours (fewer than `k`
-        points, or none within `distance_upper_bound`) are distance `inf` and index
-        `n`. `distances` are differentiable with respect to `x` and the points.
+        `(distances, indices)`, each of shape `(..., k)` (`(..., len(k))` for a
+        sequence), sorted by distance (ties by index). `indices` are rows of the
+        points. Missing neighbours (fewer than `k` points, or none within
+        `distance_upper_bound`) are distance `inf` and index `n`. `distances` are
+        differentiable with respect to `x` and the points.
         """
-        k = check_static_int("k", k, 1)
+        ranks = check_ranks(k)
+        k = max(ranks)
+        metric = check_norm(p, eps)
         x = self._check_queries(x)
         bound = jnp.asarray(distance_upper_bound, x.dtype)
         if bound.ndim > 0:
             bound = jnp.broadcast_to(bound, x.shape[:-1])
-        return _padded(self._knn(x, bound, _findable(k, self.n)), k, self.n)
+        found = self._knn(x, bound, _findable(k, self.n), metric)
+        distances, indices = _padded(found, k, self.n)
+        if ranks == tuple(range(1, k + 1)):
+            return distances, indices
+        columns = jnp.asarray(ranks) - 1
+        return distances[..., columns], indices[..., columns]
 
     def count_ball_point(
-        self, x: ArrayLike, r: float | ArrayLike
+        self,
+        x: ArrayLike,
+        r: float | ArrayLike,
+        *,
+        p: int | float = 2.0,
+        eps: float | ArrayLike = 0.0,
     ) -> Int[Array, "*batch"]:
         """Counts the points within distance `r` (inclusive) of each query.
 
-        The same numbers as `scipy.spatial.cKDTree.query_ball_point(x, r,
+        The same numbers as `scipy.spatial.cKDTree.query_ball_point(x, r, p, eps,
         return_length=True)`, in `O(Q)` memory: nothing of size `Q x n` is formed.
 
         **Arguments:**
 
         - `x`: queries, shape `(d,)` or `(..., d)`.
         - `r`: radius, a scalar or one per query (shape `(...)`); finite and `>= 0`.
+        - `p`: the Minkowski norm, as in `query`.
+        - `eps`: approximate search, `>= 0`, as scipy's: subtrees whose nearest point
+            is farther than `r / (1 + eps)` are skipped, so the count lies between
+            the exact counts for `r / (1 + eps)` and `r`. `0` (default) is exact.
 
         **Returns:**
 
         Integer counts of shape `(...)`.
         """
+        metric = check_norm(p, eps)
         x = self._check_queries(x)
-        return self._count(x, check_radius(r, x.shape[:-1], x.dtype))
+        return self._count(x, check_radius(r, x.shape[:-1], x.dtype), metric)
 
     def query_ball_point(
         self,
@@ -133,6 +167,8 @@ class AbstractKDTree(eqx.Module):
         r: float | ArrayLike,
         max_neighbors: int,
         *,
+        p: int | float = 2.0,
+        eps: float | ArrayLike = 0.0,
         raise_on_overflow: bool = False,
     ) -> tuple[Float[Array, "*batch m"], Int[Array, "*batch m"], Int[Array, "*batch"]]:
         """Finds the points within distance `r` (inclusive) of each query.
@@ -145,6 +181,9 @@ class AbstractKDTree(eqx.Module):
         - `x`: queries, shape `(d,)` or `(..., d)`.
         - `r`: radius, a scalar or one per query (shape `(...)`); finite and `>= 0`.
         - `max_neighbors`: the fixed capacity `m`, a static Python int `>= 1`.
+        - `p`: the Minkowski norm, as in `query`.
+        - `eps`: approximate search, as in `count_ball_point` (the points returned
+            lie within `r`, and include every point within `r / (1 + eps)`).
         - `raise_on_overflow`: if `True`, a query with more than `max_neighbors`
             points within `r` raises a runtime error (via `eqx.error_if`) instead of
             truncating silently.
@@ -156,10 +195,11 @@ class AbstractKDTree(eqx.Module):
         within `r`, so `counts > m` shows truncation. Distances are differentiable.
         """
         max_neighbors = check_static_int("max_neighbors", max_neighbors, 1)
+        metric = check_norm(p, eps)
         x = self._check_queries(x)
         r = check_radius(r, x.shape[:-1], x.dtype)
         distances, indices, counts = self._collect(
-            x, r, _findable(max_neighbors, self.n)
+            x, r, _findable(max_neighbors, self.n), metric
         )
         distances, indices = _padded((distances, indices), max_neighbors, self.n)
         if raise_on_overflow:
@@ -177,6 +217,7 @@ class AbstractKDTree(eqx.Module):
         values: ArrayLike,
         *,
         k: int = 8,
+        p: int | float = 2.0,
         power: float = 2.0,
         kernel: _interpolate.Kernel = "idw",
         length_scale: float | ArrayLike | None = None,
@@ -189,6 +230,7 @@ class AbstractKDTree(eqx.Module):
         - `values`: the field at the points, shape `(n, ...)`, rows in the order of
             the points. Must be finite.
         - `k`: neighbours per query (static Python int `>= 1`).
+        - `p`: the Minkowski norm of the distances, as in `query`.
         - `power`: inverse-distance exponent `> 0`: weights `1/d**power`
             (`kernel="idw"`).
         - `kernel`: `"idw"` (default) or `"gaussian"`: weights
@@ -206,10 +248,13 @@ class AbstractKDTree(eqx.Module):
         if self.n == 0:
             raise ValueError("Cannot interpolate from an empty tree (n = 0).")
         k = check_static_int("k", k, 1)
+        metric = check_norm(p, 0.0)
         weigh = _interpolate.kernel_weights(kernel, power, length_scale, self.dtype)
         values = check_values(values, self.n)
         x = self._check_queries(x)
-        distances, indices, rows = self._knn_rows(x, _findable(k, self.n), values)
+        distances, indices, rows = self._knn_rows(
+            x, _findable(k, self.n), values, metric
+        )
         return _interpolate.weighted_mean(weigh(distances, indices < self.n), rows)
 
     def _check_queries(self, x: ArrayLike) -> Queries:
@@ -220,20 +265,26 @@ class AbstractKDTree(eqx.Module):
     # What a tree type implements: answers to validated arguments.
 
     @abc.abstractmethod
-    def _knn(self, x: Queries, bound: Threshold, k: int) -> Neighbours:
+    def _knn(
+        self, x: Queries, bound: Threshold, k: int, metric: Minkowski
+    ) -> Neighbours:
         """`query`."""
 
     @abc.abstractmethod
-    def _count(self, x: Queries, r: Threshold) -> Int[Array, "*batch"]:
+    def _count(
+        self, x: Queries, r: Threshold, metric: Minkowski
+    ) -> Int[Array, "*batch"]:
         """`count_ball_point`."""
 
     @abc.abstractmethod
-    def _collect(self, x: Queries, r: Threshold, max_neighbors: int) -> Ball:
+    def _collect(
+        self, x: Queries, r: Threshold, max_neighbors: int, metric: Minkowski
+    ) -> Ball:
         """`query_ball_point`, before its overflow check."""
 
     @abc.abstractmethod
     def _knn_rows(
-        self, x: Queries, k: int, values: Float[Array, "n ..."]
+        self, x: Queries, k: int, values: Float[Array, "n ..."], metric: Minkowski
     ) -> tuple[Float[Array, "*batch k"], Int[Array, "*batch k"], Array]:
         """`query(x, k)` and the neighbours' rows of `values`, `(*batch, k, ...)`
         (any finite row at a missing neighbour)."""
@@ -289,9 +340,11 @@ class KDTree(AbstractKDTree):
             minimum-image distances. Coordinates on periodic axes are taken modulo
             `L` (so points just outside `[0, L)` from round-off are wrapped, not
             rejected); `points` itself is kept as given.
-        - `leaf_size`: points per leaf bucket (static Python int, a power of two,
-            default 32, the fastest we measured for 3-D kNN on CPU). Larger leaves
-            make a shallower tree and more brute-force work per visited leaf.
+        - `leaf_size`: points per leaf bucket (static Python int `>= 1`, default 32,
+            the fastest we measured for 3-D kNN on CPU; like scipy's `leafsize`, a
+            tuning parameter: answers do not depend on it). Larger leaves make a
+            shallower tree and more brute-force work per visited leaf; powers of two
+            build fastest.
         - `split_queries`: on a CPU with several devices (for example after
             `jax.config.update("jax_num_cpu_devices", os.cpu_count())`, set before
             JAX starts), split every batch of at least 256 queries per device over
@@ -328,17 +381,18 @@ class KDTree(AbstractKDTree):
     def num_leaves(self) -> int:
         return self.leaf_points.shape[-2] // self.leaf_size
 
-    def _knn(self, x, bound, k):
-        return _knn.knn(self, x, bound, k)
+    def _knn(self, x, bound, k, metric):
+        return _knn.knn(self, x, bound, k, metric)
 
-    def _count(self, x, r):
-        return _radius.count_ball_point(self, x, r)
+    def _count(self, x, r, metric):
+        return _radius.count_ball_point(self, x, r, metric)
 
-    def _collect(self, x, r, max_neighbors):
-        return _radius.query_ball_point(self, x, r, max_neighbors)
+    def _collect(self, x, r, max_neighbors, metric):
+        return _radius.query_ball_point(self, x, r, max_neighbors, metric)
 
-    def _knn_rows(self, x, k, values):
-        distances, indices = self._knn(x, jnp.asarray(jnp.inf, x.dtype), k)
+    def _knn_rows(self, x, k, values, metric):
+        no_bound = jnp.asarray(jnp.inf, x.dtype)
+        distances, indices = self._knn(x, no_bound, k, metric)
         # Split like the queries on an explicit mesh.
         return distances, indices, split_like_queries(rows_at)(values, indices)
 
@@ -376,7 +430,13 @@ def check_points(
 
 
 def check_leaf_size(leaf_size: int) -> int:
-    leaf_size = check_static_int("leaf_size", leaf_size, 1)
-    if leaf_size & (leaf_size - 1):
-        raise ValueError(f"`leaf_size` must be a power of two, got {leaf_size}.")
-    return leaf_size
+    return check_static_int("leaf_size", leaf_size, 1)
+
+
+def check_ranks(k: int | Sequence[int]) -> tuple[int, ...]:
+    """`k` as the ranks it asks for, counted from 1 (scipy's `k`)."""
+    if isinstance(k, Sequence) and not isinstance(k, str):
+        if len(k) == 0:
+            raise ValueError("`k` must name at least one rank, got an empty sequence.")
+        return tuple(check_static_int("k", rank, 1) for rank in k)
+    return tuple(range(1, check_static_int("k", k, 1) + 1))

@@ -50,8 +50,10 @@ def test_k_not_an_int():
 
 
 def test_bad_leaf_size():
-    with pytest.raises(ValueError, match="power of two"):
-        kdeqx.KDTree(np.zeros((4, 2)), leaf_size=6)
+    with pytest.raises(ValueError, match="leaf_size"):
+        kdeqx.KDTree(np.zeros((4, 2)), leaf_size=0)
+    with pytest.raises(TypeError, match="leaf_size"):
+        kdeqx.KDTree(np.zeros((4, 2)), leaf_size=8.0)
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])

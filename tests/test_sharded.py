@@ -100,8 +100,8 @@ def test_bad_construction_raises():
         ShardedKDTree(np.array([[0.0, np.nan]]), mesh)
     with pytest.raises(ValueError, match="finite"):
         ShardedKDTree(points, mesh, box=np.inf)
-    with pytest.raises(ValueError, match="power of two"):
-        ShardedKDTree(points, mesh, leaf_size=3)
+    with pytest.raises(ValueError, match="leaf_size"):
+        ShardedKDTree(points, mesh, leaf_size=0)
 
 
 def test_bad_queries_raise():
