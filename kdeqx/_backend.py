@@ -207,6 +207,37 @@ def sort_pairs(
         return unpack_pairs((keys,), d2.dtype, indices.dtype)
 
 
+def sort_index_pairs(
+    rows: Int[Array, " m"], cols: Int[Array, " m"]
+) -> tuple[Int[Array, " m"], Int[Array, " m"]]:
+    """Sorts `(row, col)` pairs of non-negative 32-bit indices by row, then column:
+    one sort of packed uint64 keys (~5x faster on XLA:CPU than a two-key sort)."""
+    if jnp.dtype(rows.dtype).itemsize != 4 or jnp.dtype(cols.dtype).itemsize != 4:
+        return sort_index_pairs_reference(rows, cols)
+    with enable_x64_locally():
+        high, low = (
+            lax.convert_element_type(
+                lax.bitcast_convert_type(a, jnp.uint32), jnp.uint64
+            )
+            for a in (rows, cols)
+        )
+        keys = lax.sort(lax.bitwise_or(lax.shift_left(high, jnp.uint64(32)), low))
+        high = lax.shift_right_logical(keys, jnp.uint64(32))
+        return (
+            lax.bitcast_convert_type(
+                lax.convert_element_type(high, jnp.uint32), rows.dtype
+            ),
+            lax.bitcast_convert_type(
+                lax.convert_element_type(keys, jnp.uint32), cols.dtype
+            ),
+        )
+
+
+def sort_index_pairs_reference(rows, cols):
+    rows, cols = lax.sort((rows, cols), num_keys=2)
+    return rows, cols
+
+
 def sort_pairs_reference(d2, indices):
     d2, indices = lax.sort((d2, indices), dimension=d2.ndim - 1, num_keys=2)
     return d2, indices

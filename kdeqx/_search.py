@@ -112,10 +112,10 @@ def search(
         return in_batch(jax.vmap(lambda v: v.init())(visitors)), nowhere
     flat_x = x.reshape(-1, tree.d)
     if threshold2.ndim == 0:
-        states = walk_many(tree, flat_x, make_visitor(threshold2), metric, None)
+        states, _ = walk_many(tree, flat_x, make_visitor(threshold2), metric, None)
     else:
         visitors = jax.vmap(make_visitor)(threshold2.ravel())
-        states = walk_many(tree, flat_x, visitors, metric)
+        states, _ = walk_many(tree, flat_x, visitors, metric)
     return in_batch(states), far_queries(tree, x, metric)
 
 

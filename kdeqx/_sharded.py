@@ -11,6 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._custom_types import Array, ArrayLike, Float, Int
 from ._metric import Minkowski
+from ._pairs import counts_within, no_pairs, Pairs, pairs_within
 from ._search import rows_at
 from ._tree import AbstractKDTree, check_leaf_size, check_points, KDTree
 from ._validate import as_period, index_dtype_for
@@ -175,6 +176,18 @@ class ShardedKDTree(AbstractKDTree):
         distances, indices, _, counts = answer
         return distances, indices, counts
 
+    def _points(self):
+        if self.shards is None:
+            return self.leftover.points
+        blocks = self.shards.points.reshape(-1, self.d)
+        return jnp.concatenate([blocks, self.leftover.points])
+
+    def _pairs(self, x, r, capacity, metric, above):
+        return _merged_pairs(self, x, r, capacity, metric, above)
+
+    def _counts_within(self, x, radii, metric, x_weights, weights):
+        return _merged_counts(self, x, radii, metric, x_weights, weights)
+
     def _knn_rows(self, x, k, values, metric):
         bound = jnp.asarray(jnp.inf, x.dtype)
         answer = _merged(self, x, bound, metric, "knn", k, values)
@@ -336,4 +349,115 @@ def _merged(
     in_specs = (*in_specs, sharded, replicated)
     return _on_mesh(on_device, tree.mesh, in_specs, replicated)(
         tree.shards, tree.leftover, x, threshold, metric, value_blocks, value_rest
+    )
+
+
+@eqx.filter_jit
+def _merged_pairs(
+    tree: ShardedKDTree,
+    x: Float[Array, "m d"],
+    r: Float[Array, ""],
+    capacity: int,
+    metric: Minkowski,
+    above: bool,
+) -> Pairs:
+    """Every tree's pairs in the global numbering, merged: the first `capacity` in
+    order, and the sum of the counts (all-gathered, then the same on every device)."""
+    m, n, per_shard = x.shape[0], tree.n, tree.per_shard
+    leftover_start = tree.num_shards * per_shard
+    index_dtype = index_dtype_for(max(m, n) + 1)
+
+    def found_by(local_tree, offset):
+        local = pairs_within(local_tree, x, r, capacity, metric, above, offset)
+        cols = _to_global(local.cols, local_tree.n, offset, n, index_dtype)
+        return Pairs(
+            local.rows.astype(index_dtype),
+            cols,
+            local.distances,
+            local.count.astype(index_dtype),
+        )
+
+    def on_device(shards, leftover, x, r, metric):
+        found = []
+        if shards is not None:
+            offset = lax.axis_index(tree.axis_name).astype(index_dtype) * per_shard
+            gathered = lax.all_gather(
+                found_by(_local_tree(shards), offset), tree.axis_name
+            )
+            found.append(
+                Pairs(
+                    gathered.rows.reshape(-1),
+                    gathered.cols.reshape(-1),
+                    gathered.distances.reshape(-1),
+                    jnp.sum(gathered.count),
+                )
+            )
+        if leftover.n > 0:
+            offset = jnp.asarray(leftover_start, index_dtype)
+            found.append(found_by(leftover, offset))
+        if not found:
+            return no_pairs(m, n, capacity, x.dtype, index_dtype)
+        merged = _concatenated(found)
+        # The distances travel with the pairs: a sort by two keys and a payload.
+        sorted_ = lax.sort((merged.rows, merged.cols, merged.distances), num_keys=2)
+        rows, cols, distances = (a[:capacity] for a in sorted_)
+        return Pairs(rows, cols, distances, merged.count)
+
+    sharded, replicated = PartitionSpec(tree.axis_name), PartitionSpec()
+    in_specs = (sharded, replicated, replicated, replicated, replicated)
+    return _on_mesh(on_device, tree.mesh, in_specs, replicated)(
+        tree.shards, tree.leftover, x, r, metric
+    )
+
+
+def _concatenated(found: list[Pairs]) -> Pairs:
+    return Pairs(
+        jnp.concatenate([f.rows for f in found]),
+        jnp.concatenate([f.cols for f in found]),
+        jnp.concatenate([f.distances for f in found]),
+        sum((f.count for f in found[1:]), start=found[0].count),
+    )
+
+
+@eqx.filter_jit
+def _merged_counts(
+    tree: ShardedKDTree,
+    x: Float[Array, "m d"],
+    radii: Float[Array, " radii"],
+    metric: Minkowski,
+    x_weights: Float[Array, " m"] | None,
+    weights: Float[Array, " n"] | None,
+) -> Array:
+    """Every tree's pair counts, summed (an all-reduce of `len(radii)` numbers)."""
+    if weights is None:
+        weight_blocks = weight_rest = None
+    else:
+        weight_blocks, weight_rest = _split_rows(weights, tree.num_shards)
+
+    def on_device(shards, leftover, x, radii, metric, x_weights, blocks, rest):
+        totals = []
+        if shards is not None:
+            block = None if blocks is None else blocks[0]
+            local = counts_within(
+                _local_tree(shards), x, radii, metric, x_weights, block
+            )
+            totals.append(lax.psum(local, tree.axis_name))
+        if leftover.n > 0:
+            totals.append(counts_within(leftover, x, radii, metric, x_weights, rest))
+        return sum(totals[1:], start=totals[0])
+
+    if tree.n == 0:
+        return counts_within(tree.leftover, x, radii, metric, x_weights, weight_rest)
+    sharded, replicated = PartitionSpec(tree.axis_name), PartitionSpec()
+    in_specs = (sharded, replicated, replicated, replicated, replicated, replicated)
+    in_specs = (*in_specs, sharded, replicated)
+    return _on_mesh(on_device, tree.mesh, in_specs, replicated)(
+        tree.shards,
+        tree.leftover,
+        x,
+        radii,
+        metric,
+        x_weights,
+        weight_blocks,
+        weight_rest,
     )

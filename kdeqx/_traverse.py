@@ -70,6 +70,50 @@ class AbstractVisitor(eqx.Module):
         its nearest leaf): its points must then leave the state as it is.
         """
 
+    def leaf_records(
+        self, d2: Float[Array, " leaf"], indices: Int[Array, " leaf"]
+    ) -> tuple[Bool[Array, " leaf"], PyTree] | None:
+        """What a leaf adds to the walk's shared output (`walk_many`'s `sink`): which
+        of its slots emit a record, and the records, a pytree of arrays of leading
+        axis `leaf`. By default a visitor emits nothing.
+        """
+        return None
+
+
+class Sink(eqx.Module):
+    """A shared output that visitors append records to, in no particular order.
+
+    `records` are arrays of leading axis `capacity`, holding the first `capacity`
+    records emitted (the rest of each array keeps its initial value); `written` is
+    how many were emitted in all, saturating at the largest value of its dtype.
+    """
+
+    records: PyTree
+    written: Int[Array, ""]
+
+    @property
+    def capacity(self) -> int:
+        return jax.tree.leaves(self.records)[0].shape[0]
+
+    def appended(self, emits: Bool[Array, "..."], records: PyTree) -> "Sink":
+        """The sink with the records where `emits` is set appended (the records'
+        leading axes are those of `emits`)."""
+        emits = emits.reshape(-1)
+        rank = jnp.cumsum(emits, dtype=self.written.dtype) - 1
+        room = self.capacity - self.written  # <= 0 once full
+        slot = jnp.where(emits & (rank < room), self.written + rank, self.capacity)
+
+        def append(buffer, new):
+            new = new.reshape(-1, *buffer.shape[1:])
+            return buffer.at[slot].set(new, mode="drop")
+
+        added = jnp.sum(emits, dtype=self.written.dtype)
+        most = jnp.iinfo(self.written.dtype).max
+        return Sink(
+            jax.tree.map(append, self.records, records),
+            self.written + jnp.minimum(added, most - self.written),
+        )
+
 
 def far_limit(dtype, d: int, metric: Minkowski) -> float:
     """The search clamps scaled query coordinates into `[-C, C]`, `C` a power of two.
@@ -174,7 +218,8 @@ class _Steps(eqx.Module):
 
     def visit(self, x, visitor, state, node):
         """Folds the points of leaf `node` into the state; any other node changes
-        nothing. Returns the state and the walk's position after the leaf."""
+        nothing. Returns the state, the walk's position after the leaf and the
+        records the leaf emits (`None` if the visitor emits none)."""
         tree = self.tree
         at_leaf = node >= self.first_leaf
         leaf = jnp.clip(node - self.first_leaf, 0, tree.num_leaves - 1)
@@ -188,7 +233,11 @@ class _Steps(eqx.Module):
         )
         visited = visitor.visit_leaf(state, d2, indices)
         state = jax.tree.map(lambda v, s: jnp.where(at_leaf, v, s), visited, state)
-        return state, jnp.where(at_leaf, (node - 1) >> 1, node)
+        emitted = visitor.leaf_records(d2, indices)
+        if emitted is not None:
+            emits, records = emitted
+            emitted = (emits & at_leaf, records)
+        return state, jnp.where(at_leaf, (node - 1) >> 1, node), emitted
 
 
 def walk(
@@ -212,7 +261,7 @@ def walk(
 
     def visit_then_move_on(carry):
         node, _, state = carry
-        state, parent = steps.visit(x, visitor, state, node)
+        state, parent, _ = steps.visit(x, visitor, state, node)
         return to_next_leaf((parent, node, state))
 
     index_dtype = tree.leaf_indices.dtype
@@ -250,7 +299,11 @@ def walk_many(
     visitors: AbstractVisitor,
     metric: Minkowski,
     visitor_axis: int | None = 0,
-) -> _State:
+    *,
+    sink: Sink | None = None,
+    summed: bool = False,
+    query_weights: Float[Array, " q"] | None = None,
+) -> tuple[_State, Sink | None]:
     """`jax.vmap(walk, (None, 0, visitor_axis, None))(tree, x, visitors, metric)`, by
     lanes that
     take the next query as soon as theirs is done.
@@ -259,7 +312,14 @@ def walk_many(
     (one per query, built with `jax.vmap`) or, with `visitor_axis=None`, one visitor
     for all queries (which spares the program the gathers of per-query fields).
 
-    **Returns:** the visitors' final states, batched along the queries.
+    With a `sink`, the records the visitors emit (`AbstractVisitor.leaf_records`)
+    are appended to it. With `summed=True`, the final states are summed over the
+    queries instead of kept one per query (so the output does not grow with `q`;
+    the visitor's initial state must be zero), each weighted by its entry of
+    `query_weights` when given.
+
+    **Returns:** `(states, sink)`: the visitors' final states, batched along the
+    queries (or their sum), and the sink (`None` without one).
     """
     q = x.shape[0]
     index_dtype = tree.leaf_indices.dtype
@@ -281,10 +341,14 @@ def walk_many(
     lanes = lane_count(
         sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(one_state))
     )
-    if q <= lanes:
-        return jax.vmap(walk, in_axes=(None, 0, visitor_axis, None))(
+    if q <= lanes and sink is None:
+        states = jax.vmap(walk, in_axes=(None, 0, visitor_axis, None))(
             tree, x, visitors, metric
         )
+        if not summed:
+            return states, None
+        return _sum_over_queries(_weighted(states, query_weights)), None
+    lanes = min(lanes, q)
     steps = _Steps(tree, metric)
     move = jax.vmap(steps.move, in_axes=(0, visitor_axis, 0, 0, 0))
     visit = jax.vmap(steps.visit, in_axes=(0, visitor_axis, 0, 0))
@@ -322,33 +386,66 @@ def walk_many(
         )
         fresh = init(position)
         state = jax.tree.map(
-            lambda f, s: jnp.where(finished.reshape(-1, *(1,) * (s.ndim - 1)), f, s),
-            fresh,
-            state,
+            lambda f, s: jnp.where(_along(finished, s), f, s), fresh, state
         )
         return node, state
 
+    def finish(out, finished, position, state):
+        """The answers with those of the lanes that `finished` written (or added)."""
+        if summed:
+            rows = gather_clamped(order, position)
+            weights = None if query_weights is None else query_weights[rows]
+            done = jax.tree.map(
+                lambda s: jnp.where(_along(finished, s), s, jnp.zeros_like(s)),
+                _weighted(state, weights),
+            )
+            return jax.tree.map(jnp.add, out, _sum_over_queries(done))
+        row = jnp.where(finished, gather_clamped(order, position), q)  # q: dropped
+        return jax.tree.map(lambda o, s: o.at[row].set(s, mode="drop"), out, state)
+
     def step(carry):
-        position, node, previous, state, out = carry
+        position, node, previous, state, out, sink = carry
         xl, visitor = _rows(points, position), visitors_at(position)
-        state, node_after = visit(xl, visitor, state, node)
+        state, node_after, emitted = visit(xl, visitor, state, node)
+        if sink is not None:
+            assert emitted is not None, "a walk with a sink needs emitting visitors"
+            sink = sink.appended(*emitted)
         previous = jnp.where(node >= steps.first_leaf, node, previous)
         node, previous = advance(xl, visitor, state, node_after, previous)
         finished = node == -1
-        row = jnp.where(finished, gather_clamped(order, position), q)  # q: dropped
-        out = jax.tree.map(lambda o, s: o.at[row].set(s, mode="drop"), out, state)
+        out = finish(out, finished, position, state)
         position = jnp.where(finished, position + lanes, position)
         node, state = take_next(position, finished, node, state)
-        return position, node, previous, state, out
+        return position, node, previous, state, out, sink
 
     lane = jnp.arange(lanes, dtype=index_dtype)
+    if summed:
+        answers = _sum_over_queries(init(lane[:1]))
+    else:  # by input row; every row is written once
+        answers = init(jnp.arange(q, dtype=index_dtype))
     carry = (
         lane,
         first_node[:lanes],
         jnp.full(lanes, -1, index_dtype),
         init(lane),
-        init(
-            jnp.arange(q, dtype=index_dtype)
-        ),  # the answers by input row; every row is written once
+        answers,
+        sink,
     )
-    return lax.while_loop(lambda c: jnp.min(c[0]) < q, step, carry)[-1]
+    _, _, _, _, answers, sink = lax.while_loop(lambda c: jnp.min(c[0]) < q, step, carry)
+    return answers, sink
+
+
+def _along(mask: Bool[Array, " lanes"], array: Array) -> Bool[Array, "..."]:
+    """`mask` shaped to broadcast along the leading axis of `array`."""
+    return mask.reshape(-1, *(1,) * (array.ndim - 1))
+
+
+def _sum_over_queries(states: _State) -> _State:
+    return jax.tree.map(lambda s: jnp.sum(s, axis=0, dtype=s.dtype), states)
+
+
+def _weighted(states: _State, weights: Float[Array, " q"] | None) -> _State:
+    """Each query's state times its weight (unchanged without weights)."""
+    if weights is None:
+        return states
+    return jax.tree.map(lambda s: s * _along(weights, s), states)

@@ -10,9 +10,11 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 import equinox as eqx
+import jax
+import jax.experimental.sparse
 import jax.numpy as jnp
 
-from . import _interpolate, _knn, _radius
+from . import _interpolate, _knn, _pairs as _pairs_module, _radius
 from ._build import build_search_arrays
 from ._custom_types import (
     Array,
@@ -33,9 +35,12 @@ from ._validate import (
     check_finite,
     check_points_shape,
     check_queries_shape,
+    check_radii,
     check_radius,
+    check_scalar_radius,
     check_static_int,
     check_values,
+    check_weights,
 )
 
 
@@ -257,6 +262,197 @@ class AbstractKDTree(eqx.Module):
         )
         return _interpolate.weighted_mean(weigh(distances, indices < self.n), rows)
 
+    def query_ball_tree(
+        self,
+        other: "AbstractKDTree",
+        r: float | ArrayLike,
+        max_neighbors: int,
+        *,
+        p: int | float = 2.0,
+        eps: float | ArrayLike = 0.0,
+        raise_on_overflow: bool = False,
+    ) -> tuple[Float[Array, "n m"], Int[Array, "n m"], Int[Array, " n"]]:
+        """For each point of this tree, the points of `other` within distance `r`
+        (scipy's `query_ball_tree`), in a fixed capacity.
+
+        **Arguments:**
+
+        - `other`: a tree of the same dimension (any tree type).
+        - `r`, `max_neighbors`, `p`, `eps`, `raise_on_overflow`: as in
+            `query_ball_point` (`r` a scalar, or one per point of this tree).
+
+        **Returns:**
+
+        `(distances, indices, counts)` as `other.query_ball_point(points)` returns
+        them: one row per point of this tree, nearest first, padded with
+        `(inf, other.n)`, and the true counts. Convert to scipy's lists of lists with
+        `kdeqx.ball_lists(indices, counts)`.
+        """
+        self._check_other(other)
+        return other.query_ball_point(
+            self._points(),
+            r,
+            max_neighbors,
+            p=p,
+            eps=eps,
+            raise_on_overflow=raise_on_overflow,
+        )
+
+    def query_pairs(
+        self,
+        r: float | ArrayLike,
+        max_pairs: int,
+        *,
+        p: int | float = 2.0,
+        eps: float | ArrayLike = 0.0,
+        raise_on_overflow: bool = False,
+    ) -> tuple[Int[Array, "max_pairs 2"], Float[Array, " max_pairs"], Int[Array, ""]]:
+        """All pairs of points `i < j` at distance at most `r` (scipy's
+        `query_pairs`), in a fixed capacity.
+
+        **Arguments:**
+
+        - `r`: the distance, a finite scalar `>= 0`.
+        - `max_pairs`: the fixed capacity, a static Python int `>= 1`.
+        - `p`: the Minkowski norm, as in `query`.
+        - `eps`: approximate search, as in `count_ball_point`: every pair within
+            `r / (1 + eps)` is found, and no pair beyond `r`.
+        - `raise_on_overflow`: if `True`, more than `max_pairs` pairs raise a runtime
+            error (via `eqx.error_if`) instead of being cut off.
+
+        **Returns:**
+
+        `(pairs, distances, count)`: `pairs` of shape `(max_pairs, 2)`, ordered by
+        `i` then `j` and padded with `(n, n)`; their distances (differentiable,
+        `inf` at padding); and the true number of pairs, an integer scalar that may
+        exceed `max_pairs`. On overflow the pairs kept are those the walk met first,
+        in order. `kdeqx.pair_set(pairs, count)` gives scipy's set of tuples.
+        """
+        max_pairs = check_static_int("max_pairs", max_pairs, 1)
+        metric = check_norm(p, eps)
+        r = check_scalar_radius("r", r, self.dtype)
+        found = self._pairs(self._points(), r, max_pairs, metric, True)
+        distances = _checked_capacity(
+            found.distances,
+            found.count,
+            max_pairs,
+            "query_pairs",
+            "max_pairs",
+            raise_on_overflow,
+        )
+        return jnp.stack([found.rows, found.cols], axis=-1), distances, found.count
+
+    def sparse_distance_matrix(
+        self,
+        other: "AbstractKDTree",
+        max_distance: float | ArrayLike,
+        max_entries: int,
+        *,
+        p: int | float = 2.0,
+        raise_on_overflow: bool = False,
+    ) -> tuple[jax.experimental.sparse.BCOO, Int[Array, ""]]:
+        """The distances between the points of this tree and those of `other` that
+        are at most `max_distance` apart (scipy's `sparse_distance_matrix`), as a
+        sparse matrix of fixed capacity.
+
+        **Arguments:**
+
+        - `other`: a tree of the same dimension (any tree type).
+        - `max_distance`: a finite scalar `>= 0`.
+        - `max_entries`: the fixed number of stored entries, a static Python int.
+        - `p`: the Minkowski norm, as in `query`.
+        - `raise_on_overflow`: as in `query_pairs`.
+
+        **Returns:**
+
+        `(matrix, count)`: a `jax.experimental.sparse.BCOO` of shape
+        `(n, other.n)` with `max_entries` stored entries, sorted by row then column
+        (pairs at distance 0 are stored too, as explicit zeros; padding entries
+        have the out-of-range index `(n, other.n)`, which BCOO ignores), and the true
+        number of pairs. The data are differentiable. For scipy:
+        `kdeqx.to_scipy_sparse(matrix)`.
+        """
+        self._check_other(other)
+        max_entries = check_static_int("max_entries", max_entries, 1)
+        metric = check_norm(p, 0.0)
+        max_distance = check_scalar_radius("max_distance", max_distance, other.dtype)
+        found = other._pairs(
+            self._points().astype(other.dtype), max_distance, max_entries, metric, False
+        )
+        distances = _checked_capacity(
+            found.distances,
+            found.count,
+            max_entries,
+            "sparse_distance_matrix",
+            "max_entries",
+            raise_on_overflow,
+        )
+        stored = found.rows < self.n
+        matrix = jax.experimental.sparse.BCOO(
+            (
+                jnp.where(stored, distances, 0),
+                jnp.stack([found.rows, found.cols], axis=-1),
+            ),
+            shape=(self.n, other.n),
+            indices_sorted=True,
+            unique_indices=True,
+        )
+        return matrix, found.count
+
+    def count_neighbors(
+        self,
+        other: "AbstractKDTree",
+        r: float | ArrayLike,
+        *,
+        p: int | float = 2.0,
+        weights: None | ArrayLike | tuple[ArrayLike | None, ArrayLike | None] = None,
+        cumulative: bool = True,
+    ) -> Array:
+        """Counts the pairs `(x, y)`, `x` a point of this tree and `y` one of
+        `other`, at distance at most `r` (scipy's `count_neighbors`, the two-point
+        correlation's pair counts), for one radius or many at once.
+
+        Each point of this tree walks `other` once for all radii, and the counts are
+        summed as the walks finish: memory `O(n + m + len(r))`, no capacity.
+
+        **Arguments:**
+
+        - `other`: a tree of the same dimension (this tree itself for auto-pairs,
+            which counts every `(i, i)` and both orders of each pair, as scipy).
+        - `r`: a scalar or a 1-D array of radii, finite and `>= 0`.
+        - `p`: the Minkowski norm, as in `query`.
+        - `weights`: `None` (count pairs); a tuple `(weights_self, weights_other)`,
+            either of which may be `None` (weight 1); or one array for both trees
+            (when `other` is this tree), as scipy. A pair weighs the product of its
+            two points' weights. Weights are finite, one per point.
+        - `cumulative`: `True` (default) counts the pairs within each `r`; `False`
+            counts those in each bin `r[k - 1] < d <= r[k]` (`r` must then be
+            non-decreasing; the first bin starts at `-inf`).
+
+        **Returns:**
+
+        The counts, of the shape of `r`: integers without weights (int64 with x64
+        enabled; int32 otherwise, with a runtime error where a count exceeds 2e9),
+        floats with weights. Weighted counts are differentiable with respect to the
+        weights.
+        """
+        self._check_other(other)
+        metric = check_norm(p, 0.0)
+        radii = check_radii(r, other.dtype, sorted_=not cumulative)
+        self_weights, other_weights = _split_weights(weights, self, other)
+        order = jnp.argsort(radii.ravel())
+        counts = other._counts_within(
+            self._points().astype(other.dtype),
+            radii.ravel()[order],
+            metric,
+            self_weights,
+            other_weights,
+        )
+        counts = jnp.empty_like(counts).at[order].set(counts)
+        if not cumulative:
+            counts = jnp.diff(counts, prepend=jnp.zeros_like(counts[:1]))
+        return counts.reshape(radii.shape)
+
     def _check_queries(self, x: ArrayLike) -> Queries:
         x = as_float_array("x", x, dtype=self.dtype)
         check_queries_shape("x", x, self.d)
@@ -281,6 +477,43 @@ class AbstractKDTree(eqx.Module):
         self, x: Queries, r: Threshold, max_neighbors: int, metric: Minkowski
     ) -> Ball:
         """`query_ball_point`, before its overflow check."""
+
+    def _check_other(self, other) -> None:
+        if not isinstance(other, AbstractKDTree):
+            raise TypeError(
+                f"`other` must be a kdeqx tree, got {type(other).__name__}."
+            )
+        if other.d != self.d:
+            raise ValueError(
+                f"`other` has points of dimension {other.d}, this tree {self.d}."
+            )
+
+    @abc.abstractmethod
+    def _points(self) -> Float[Array, "n d"]:
+        """All the points, in their order."""
+
+    @abc.abstractmethod
+    def _pairs(
+        self,
+        x: Float[Array, "m d"],
+        r: Float[Array, ""],
+        capacity: int,
+        metric: Minkowski,
+        above: bool,
+    ) -> _pairs_module.Pairs:
+        """The pairs of a query and a point within `r` (with `above`, only point
+        indices above the query's row), sorted, in `capacity` (`_pairs.Pairs`)."""
+
+    @abc.abstractmethod
+    def _counts_within(
+        self,
+        x: Float[Array, "m d"],
+        radii: Float[Array, " radii"],
+        metric: Minkowski,
+        x_weights: Float[Array, " m"] | None,
+        weights: Float[Array, " n"] | None,
+    ) -> Array:
+        """`count_neighbors` for ascending radii (`_pairs.counts_within`)."""
 
     @abc.abstractmethod
     def _knn_rows(
@@ -390,11 +623,60 @@ class KDTree(AbstractKDTree):
     def _collect(self, x, r, max_neighbors, metric):
         return _radius.query_ball_point(self, x, r, max_neighbors, metric)
 
+    def _points(self):
+        return self.points
+
+    def _pairs(self, x, r, capacity, metric, above):
+        return _pairs_module.pairs_within(self, x, r, capacity, metric, above)
+
+    def _counts_within(self, x, radii, metric, x_weights, weights):
+        return _pairs_module.counts_within(self, x, radii, metric, x_weights, weights)
+
     def _knn_rows(self, x, k, values, metric):
         no_bound = jnp.asarray(jnp.inf, x.dtype)
         distances, indices = self._knn(x, no_bound, k, metric)
         # Split like the queries on an explicit mesh.
         return distances, indices, split_like_queries(rows_at)(values, indices)
+
+
+def _checked_capacity(
+    distances, count, capacity: int, method: str, argument: str, raise_on_overflow
+):
+    """`distances`, carrying a runtime error if `raise_on_overflow` and `count`
+    exceeds the capacity."""
+    if not raise_on_overflow:
+        return distances
+    return eqx.error_if(
+        distances,
+        count > capacity,
+        f"{method}: more than {argument}={capacity} pairs lie within the distance; "
+        f"raise `{argument}` (see the returned count).",
+    )
+
+
+def _split_weights(weights, tree: AbstractKDTree, other: AbstractKDTree):
+    """scipy's `weights` of `count_neighbors` as `(self's, other's)`, each checked,
+    or `None` for unweighted points."""
+    if weights is None:
+        return None, None
+    if isinstance(weights, tuple):
+        if len(weights) != 2:
+            raise ValueError(
+                "`weights` as a tuple must be `(weights_self, weights_other)`, got "
+                f"{len(weights)} entries."
+            )
+        first, second = weights
+    else:
+        if other is not tree:
+            raise ValueError(
+                "One `weights` array is for a tree counted with itself; for two "
+                "trees pass `(weights_self, weights_other)`."
+            )
+        first = second = weights
+    return (
+        None if first is None else check_weights(first, tree.n, other.dtype),
+        None if second is None else check_weights(second, other.n, other.dtype),
+    )
 
 
 def _findable(wanted: int, n: int) -> int:

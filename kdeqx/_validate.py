@@ -165,3 +165,40 @@ def as_period(box, d: int, dtype) -> Float[Array, " d"] | None:
             f"got shape {tuple(period.shape)}."
         )
     return check_finite("box", jnp.broadcast_to(period, (d,)))
+
+
+def check_scalar_radius(name: str, r, dtype) -> Float[Array, ""]:
+    """A finite scalar distance `>= 0`."""
+    r = as_float_array(name, r, dtype=dtype)
+    if r.ndim != 0:
+        raise ValueError(f"`{name}` must be a scalar, got shape {tuple(r.shape)}.")
+    return check_nonnegative(name, r)
+
+
+def check_radii(r, dtype, *, sorted_: bool) -> Float[Array, "*radii"]:
+    """Radii: a scalar or a 1-D array, finite and `>= 0`; with `sorted_`, also
+    non-decreasing (checked eagerly, or via `eqx.error_if` under `jit`)."""
+    r = as_float_array("r", r, dtype=dtype)
+    if r.ndim > 1:
+        raise ValueError(f"`r` must be a scalar or 1-D, got shape {tuple(r.shape)}.")
+    r = check_nonnegative("r", r)
+    if not sorted_ or r.ndim == 0:
+        return r
+    decreasing = jnp.any(r[1:] < r[:-1])
+    message = "`r` must be non-decreasing when `cumulative=False` (bin edges)."
+    if is_concrete(r):
+        if bool(decreasing):
+            raise ValueError(message)
+        return r
+    return eqx.error_if(r, decreasing, message)
+
+
+def check_weights(weights, n: int, dtype) -> Float[Array, " n"]:
+    """Per-point weights: shape `(n,)`, real and finite."""
+    weights = as_float_array("weights", weights, dtype=dtype)
+    if weights.shape != (n,):
+        raise ValueError(
+            f"`weights` must have one entry per point, shape ({n},), got shape "
+            f"{tuple(weights.shape)}."
+        )
+    return check_finite("weights", weights)

@@ -1,0 +1,229 @@
+"""Queries between two sets of points: the pairs within a distance, in one shared
+fixed-capacity output, and pair counts for many radii in `O(radii)` memory.
+
+Both walk a tree once per query point with the lanes of `kdeqx._traverse.walk_many`:
+a pair search appends every pair it finds to a `Sink` (so its memory is the capacity
+the caller asks for, however the pairs spread over the queries), and a pair count
+sums its queries' counts as the lanes finish (so nothing grows with the queries).
+"""
+
+from typing import TYPE_CHECKING
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+
+from ._backend import sort_index_pairs
+from ._custom_types import Array, Bool, Float, Int
+from ._metric import Minkowski
+from ._search import (
+    far_queries,
+    FarQueries,
+    neighbour_distances,
+    rows_at,
+    search_threshold,
+)
+from ._traverse import AbstractVisitor, Sink, walk_many
+from ._validate import index_dtype_for
+
+
+if TYPE_CHECKING:
+    from ._tree import KDTree
+
+
+class Pairs(eqx.Module):
+    """Pairs `(rows[e], cols[e])` of a query row and a tree row within a distance,
+    sorted by row then column, in a fixed capacity.
+
+    Entries past the pairs found are `(rows, cols) = (m, n)` (the sizes of the two
+    sets) at distance `inf`. `count` is the true number of pairs, which may exceed the
+    capacity (saturating at the largest value of its dtype).
+    """
+
+    rows: Int[Array, " capacity"]
+    cols: Int[Array, " capacity"]
+    distances: Float[Array, " capacity"]
+    count: Int[Array, ""]
+
+
+class _WithinRadius(AbstractVisitor):
+    """Counts the points within `r` of one query (row `row`) and emits each as a
+    record `(row, index, powered distance)`. With `above`, only points whose index
+    plus `offset` exceeds `row` count: the pairs `i < j` of a set with itself."""
+
+    r2: Float[Array, ""]
+    row: Int[Array, ""]
+    offset: Int[Array, ""]
+    above: bool = eqx.field(static=True)
+
+    def _inside(self, d2, indices) -> Bool[Array, " leaf"]:
+        inside = d2 <= self.r2
+        if self.above:
+            inside = inside & (indices.astype(self.row.dtype) + self.offset > self.row)
+        return inside
+
+    def init(self) -> Int[Array, ""]:
+        return jnp.zeros((), self.row.dtype)
+
+    def should_visit(self, state, box_d2, min_index) -> Bool[Array, ""]:
+        return box_d2 <= self.r2
+
+    def visit_leaf(self, state, d2, indices) -> Int[Array, ""]:
+        return state + jnp.sum(self._inside(d2, indices), dtype=state.dtype)
+
+    def leaf_records(self, d2, indices):
+        rows = jnp.broadcast_to(self.row, indices.shape)
+        return self._inside(d2, indices), (rows, indices.astype(self.row.dtype))
+
+
+def sorted_pairs(
+    rows: Int[Array, " capacity"], cols: Int[Array, " capacity"], count
+) -> tuple[Int[Array, " capacity"], Int[Array, " capacity"], Int[Array, ""]]:
+    """The pairs in the order of (row, column); the padding sorts last."""
+    return (*sort_index_pairs(rows, cols), count)
+
+
+def no_pairs(m: int, n: int, capacity: int, dtype, index_dtype) -> Pairs:
+    return Pairs(
+        jnp.full(capacity, m, index_dtype),
+        jnp.full(capacity, n, index_dtype),
+        jnp.full(capacity, jnp.inf, dtype),
+        jnp.zeros((), index_dtype),
+    )
+
+
+@eqx.filter_jit
+def pairs_within(
+    tree: "KDTree",
+    x: Float[Array, "m d"],
+    r: Float[Array, ""],
+    capacity: int,
+    metric: Minkowski,
+    above: bool,
+    offset: Int[Array, ""] | int = 0,
+) -> Pairs:
+    """The pairs `(i, j)` with `|x[i] - points[j]| <= r`, sorted (`Pairs`); with
+    `above`, only those with `j + offset > i`. Distances are differentiable."""
+    m, n = x.shape[0], tree.n
+    index_dtype = index_dtype_for(max(m, n) + 1)
+    found = no_pairs(m, n, capacity, x.dtype, index_dtype)
+    if m == 0 or n == 0:
+        return found
+    r2 = search_threshold(tree, r, metric)
+    offset = jnp.asarray(offset, index_dtype)
+    visitors = jax.vmap(lambda row: _WithinRadius(r2, row, offset, above))(
+        jnp.arange(m, dtype=index_dtype)
+    )
+    sink = Sink((found.rows, found.cols), found.count)
+    counts, filled = walk_many(tree, x, visitors, metric, sink=sink)
+    assert filled is not None
+    sink = filled
+    rows, cols = sink.records
+    far = far_queries(tree, x, metric)
+    beyond = far.beyond(far.distance <= r)  # the walk admitted them from afar
+    dropped = (rows < m) & rows_at(beyond, rows)
+    rows, cols = jnp.where(dropped, m, rows), jnp.where(dropped, n, cols)
+    count = jnp.where(
+        jnp.any(beyond), jnp.sum(jnp.where(beyond, 0, counts)), sink.written
+    )
+    return pair_distances(tree, x, *sorted_pairs(rows, cols, count), metric)
+
+
+def pair_distances(tree, x, rows, cols, count, metric: Minkowski) -> Pairs:
+    """`Pairs` with the distances of `x[rows]` to `points[cols]`, measured from the
+    coordinates (differentiable; `inf` at padding)."""
+    distances = neighbour_distances(tree, rows_at(x, rows), cols[:, None], metric.p)
+    return Pairs(rows, cols, distances[:, 0], count)
+
+
+class _CountsWithin(AbstractVisitor):
+    """For one query, the (weighted) number of points within each of the radii,
+    given as powered distances, ascending. Unweighted counts are integers, with a
+    float32 copy that shows when their sum over many queries would overflow."""
+
+    radii2: Float[Array, " radii"]
+    weights: Float[Array, " n"] | None
+    count_dtype: jnp.dtype = eqx.field(static=True)
+
+    def init(self) -> tuple[Array, Array]:
+        counts = jnp.zeros(self.radii2.shape, self.count_dtype)
+        return counts, jnp.zeros(self.radii2.shape, jnp.float32)
+
+    def should_visit(self, state, box_d2, min_index) -> Bool[Array, ""]:
+        return box_d2 <= self.radii2[-1]
+
+    def visit_leaf(self, state, d2, indices) -> tuple[Array, Array]:
+        counts, estimate = state
+        inside = d2[:, None] <= self.radii2
+        if self.weights is not None:
+            weights = rows_at(self.weights, indices)[:, None]
+            return counts + jnp.sum(jnp.where(inside, weights, 0), axis=0), estimate
+        found = jnp.sum(inside, axis=0, dtype=self.count_dtype)
+        return counts + found, estimate + found.astype(jnp.float32)
+
+
+def integer_count_dtype():
+    """int64 where enabled, else int32."""
+    return jnp.int64 if jax.config.read("jax_enable_x64") else jnp.int32
+
+
+# int32 sums of counts beyond this (checked in float32, to a relative 1e-7 per
+# addition) may have wrapped.
+_INT32_SAFE_TOTAL = 2.0e9
+
+
+@eqx.filter_jit
+def counts_within(
+    tree: "KDTree",
+    x: Float[Array, "m d"],
+    radii: Float[Array, " radii"],
+    metric: Minkowski,
+    x_weights: Float[Array, " m"] | None,
+    weights: Float[Array, " n"] | None,
+) -> Array:
+    """`sum_i x_weights[i] sum_j weights[j] [|x[i] - points[j]| <= radii[k]]` for
+    each `k` (weights 1 where not given), radii ascending.
+
+    Unweighted counts are integers: int64 with x64 enabled; int32 otherwise, with a
+    runtime error where a count exceeds 2e9 (it could have wrapped).
+    """
+    weighted = x_weights is not None or weights is not None
+    count_dtype = x.dtype if weighted else integer_count_dtype()
+    if x.shape[0] == 0 or tree.n == 0:
+        return jnp.zeros(radii.shape, count_dtype)
+    if weighted:
+        x_weights = jnp.ones(x.shape[0], x.dtype) if x_weights is None else x_weights
+        weights = jnp.ones(tree.n, x.dtype) if weights is None else weights
+    far = far_queries(tree, x, metric)
+    # The walk answers far queries from nearer: they are counted apart, below.
+    near_weights = jnp.where(far.far, 0, 1 if x_weights is None else x_weights)
+    visitor = _CountsWithin(search_threshold(tree, radii, metric), weights, count_dtype)
+    (counts, estimate), _ = walk_many(
+        tree, x, visitor, metric, None, summed=True, query_weights=near_weights
+    )
+    far_counts = _far_counts(far, radii, x_weights, weights, tree.n, count_dtype)
+    counts, estimate = counts + far_counts, estimate + far_counts.astype(jnp.float32)
+    if count_dtype == jnp.int32:
+        counts = eqx.error_if(
+            counts,
+            jnp.any(estimate > _INT32_SAFE_TOTAL),
+            "count_neighbors: a count exceeds what int32 holds safely (2e9); enable "
+            "x64 (`jax.config.update('jax_enable_x64', True)`) for int64 counts.",
+        )
+    return counts
+
+
+def _far_counts(far: FarQueries, radii, x_weights, weights, n: int, count_dtype):
+    """The counts of the far queries, from each of whom every point lies at
+    `far.distance`: for each radius, the weight of the far queries within it times
+    the weight of all the points (one radius at a time: `O(m)` memory)."""
+    if x_weights is None:
+        x_weights = jnp.ones(far.far.shape, count_dtype)
+    total = n if weights is None else jnp.sum(weights)
+
+    def within(radius):
+        inside = far.far & (far.distance <= radius)
+        return jnp.sum(jnp.where(inside, x_weights, 0), dtype=count_dtype)
+
+    return lax.map(within, radii) * jnp.asarray(total, count_dtype)
