@@ -2,6 +2,13 @@
 
 import importlib.metadata
 
+from ._convert import (
+    ball_lists as ball_lists,
+    distance_dict as distance_dict,
+    pair_array as pair_array,
+    pair_set as pair_set,
+    to_scipy_sparse as to_scipy_sparse,
+)
 from ._interpolate import Interpolator as Interpolator
 from ._sharded import ShardedKDTree as ShardedKDTree
 from ._tree import AbstractKDTree as AbstractKDTree, KDTree as KDTree

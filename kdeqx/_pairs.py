@@ -165,7 +165,7 @@ class _CountsWithin(AbstractVisitor):
 
 def integer_count_dtype():
     """int64 where enabled, else int32."""
-    return jnp.int64 if jax.config.read("jax_enable_x64") else jnp.int32
+    return jnp.dtype(jnp.int64 if jax.config.read("jax_enable_x64") else jnp.int32)
 
 
 # int32 sums of counts beyond this (checked in float32, to a relative 1e-7 per

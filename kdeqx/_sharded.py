@@ -179,7 +179,8 @@ class ShardedKDTree(AbstractKDTree):
     def _points(self):
         if self.shards is None:
             return self.leftover.points
-        blocks = self.shards.points.reshape(-1, self.d)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        blocks = jax.device_put(self.shards.points, replicated).reshape(-1, self.d)
         return jnp.concatenate([blocks, self.leftover.points])
 
     def _pairs(self, x, r, capacity, metric, above):
@@ -367,7 +368,7 @@ def _merged_pairs(
     leftover_start = tree.num_shards * per_shard
     index_dtype = index_dtype_for(max(m, n) + 1)
 
-    def found_by(local_tree, offset):
+    def found_by(local_tree, x, r, metric, offset):
         local = pairs_within(local_tree, x, r, capacity, metric, above, offset)
         cols = _to_global(local.cols, local_tree.n, offset, n, index_dtype)
         return Pairs(
@@ -382,7 +383,7 @@ def _merged_pairs(
         if shards is not None:
             offset = lax.axis_index(tree.axis_name).astype(index_dtype) * per_shard
             gathered = lax.all_gather(
-                found_by(_local_tree(shards), offset), tree.axis_name
+                found_by(_local_tree(shards), x, r, metric, offset), tree.axis_name
             )
             found.append(
                 Pairs(
@@ -394,7 +395,7 @@ def _merged_pairs(
             )
         if leftover.n > 0:
             offset = jnp.asarray(leftover_start, index_dtype)
-            found.append(found_by(leftover, offset))
+            found.append(found_by(leftover, x, r, metric, offset))
         if not found:
             return no_pairs(m, n, capacity, x.dtype, index_dtype)
         merged = _concatenated(found)

@@ -302,7 +302,7 @@ def walk_many(
     *,
     sink: Sink | None = None,
     summed: bool = False,
-    query_weights: Float[Array, " q"] | None = None,
+    query_weights: Float[Array, " q"] | Int[Array, " q"] | None = None,
 ) -> tuple[_State, Sink | None]:
     """`jax.vmap(walk, (None, 0, visitor_axis, None))(tree, x, visitors, metric)`, by
     lanes that
@@ -435,16 +435,17 @@ def walk_many(
     return answers, sink
 
 
-def _along(mask: Bool[Array, " lanes"], array: Array) -> Bool[Array, "..."]:
-    """`mask` shaped to broadcast along the leading axis of `array`."""
-    return mask.reshape(-1, *(1,) * (array.ndim - 1))
+def _along(vector: Array, array: Array) -> Array:
+    """A vector (one entry per lane or query) shaped to broadcast along the leading
+    axis of `array`."""
+    return vector.reshape(-1, *(1,) * (array.ndim - 1))
 
 
 def _sum_over_queries(states: _State) -> _State:
     return jax.tree.map(lambda s: jnp.sum(s, axis=0, dtype=s.dtype), states)
 
 
-def _weighted(states: _State, weights: Float[Array, " q"] | None) -> _State:
+def _weighted(states: _State, weights: Array | None) -> _State:
     """Each query's state times its weight (unchanged without weights)."""
     if weights is None:
         return states

@@ -402,7 +402,7 @@ class AbstractKDTree(eqx.Module):
     def count_neighbors(
         self,
         other: "AbstractKDTree",
-        r: float | ArrayLike,
+        r: float | ArrayLike | Sequence[float],
         *,
         p: int | float = 2.0,
         weights: None | ArrayLike | tuple[ArrayLike | None, ArrayLike | None] = None,

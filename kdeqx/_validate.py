@@ -32,7 +32,11 @@ def as_float_array(name: str, value: ArrayLike, dtype=None) -> Array:
 
 
 def is_concrete(array: Array) -> bool:
-    return not isinstance(array, jax.core.Tracer)
+    """Whether `array` holds values now: not a tracer, and not traced by the
+    operations on it either (as an array closed over by a jitted function is)."""
+    if isinstance(array, jax.core.Tracer):
+        return False
+    return not isinstance(jnp.zeros((), jnp.int32) + 0, jax.core.Tracer)
 
 
 def check_finite(name: str, array: Array, *, traced: bool = True) -> Array:
@@ -178,6 +182,8 @@ def check_scalar_radius(name: str, r, dtype) -> Float[Array, ""]:
 def check_radii(r, dtype, *, sorted_: bool) -> Float[Array, "*radii"]:
     """Radii: a scalar or a 1-D array, finite and `>= 0`; with `sorted_`, also
     non-decreasing (checked eagerly, or via `eqx.error_if` under `jit`)."""
+    if isinstance(r, list | tuple):  # scipy users pass lists of radii
+        r = np.asarray(r)
     r = as_float_array("r", r, dtype=dtype)
     if r.ndim > 1:
         raise ValueError(f"`r` must be a scalar or 1-D, got shape {tuple(r.shape)}.")

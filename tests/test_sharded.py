@@ -58,6 +58,7 @@ _SHARED = (
     "sharded_tree",
     "sharded_communication",
     "sharded_ball_and_interpolator",
+    "sharded_pairs",
     "cpu_split",
 )
 
@@ -179,6 +180,10 @@ def test_sharded_tree_communicates_only_candidates(shared_checks):
 
 def test_sharded_ball_queries_and_interpolator_match_one_tree(shared_checks):
     _assert_passed(shared_checks, "sharded_ball_and_interpolator")
+
+
+def test_sharded_pairs_and_counts_match_one_tree(shared_checks):
+    _assert_passed(shared_checks, "sharded_pairs")
 
 
 def test_queries_split_over_cpu_devices_match_one_device(shared_checks):
@@ -543,6 +548,39 @@ def check_cpu_split():
     batched = jax.vmap(lambda t: t.query(x, 5))
     _assert_same(batched(trees), batched(trees_one))
     print("cpu split: answers, gradients and vmap equal to one device")
+
+
+def check_sharded_pairs():
+    """`query_pairs` (with and without overflow), `sparse_distance_matrix` (a sharded
+    tree's points as the rows) and weighted `count_neighbors` (a sharded tree as the
+    other), equal to one tree's."""
+    for name in ("f32-lattice", "f64-periodic", "f64-tiny"):
+        sharded, tree, points, _, rng = _case(name)
+        r = 1.0 if name == "f32-lattice" else 0.1
+        pairs = eqx.filter_jit(lambda t, capacity: t.query_pairs(r, capacity))
+        everything = pairs(tree, 8000)
+        _assert_same(pairs(sharded, 8000), everything, exact=False)
+        # Cut off: the same count, and pairs that are real (which ones may differ).
+        kept, _, count = pairs(sharded, 5)
+        assert int(count) == int(everything[2])
+        real = {tuple(p) for p in np.asarray(everything[0]).tolist()}
+        assert {tuple(p) for p in np.asarray(kept).tolist()} <= real
+        matrix = eqx.filter_jit(lambda a, b: a.sparse_distance_matrix(b, r, 8000))
+        ours, ref = matrix(sharded, tree), matrix(tree, tree)
+        _assert_same((ours[0].indices, ours[1]), (ref[0].indices, ref[1]))
+        np.testing.assert_allclose(ours[0].data, ref[0].data, rtol=1e-6)
+        weights = rng.random(len(points)).astype(points.dtype)
+        radii = jnp.asarray([0.0, r / 2, r], points.dtype)
+        counts = eqx.filter_jit(
+            lambda a, b, w: (
+                a.count_neighbors(b, radii),
+                a.count_neighbors(b, radii, weights=(None, w)),
+            )
+        )
+        _assert_same(
+            counts(tree, sharded, weights), counts(tree, tree, weights), exact=False
+        )
+        print(f"{name}: pairs, sparse matrix and counts equal")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,275 @@
+"""Queries between point sets: `query_pairs`, `query_ball_tree`,
+`sparse_distance_matrix` and `count_neighbors`, against scipy's cKDTree and numpy
+brute force, and the converters to scipy's shapes."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.spatial import cKDTree
+
+import kdeqx
+
+from .helpers import DTYPES
+
+
+N, M = 300, 200
+
+
+def minkowski(diff, p):
+    diff = np.abs(diff)
+    return diff.max(-1) if p == np.inf else (diff**p).sum(-1) ** (1 / p)
+
+
+def all_distances(a, b, p, box=None):
+    diff = np.asarray(a, np.float64)[:, None] - np.asarray(b, np.float64)[None]
+    if box is not None:
+        diff = diff - box * np.round(diff / box)
+    return minkowski(diff, p)
+
+
+def two_sets(dtype, seed=0, duplicates=False):
+    rng = np.random.default_rng(seed)
+    a, b = rng.random((N, 3)), rng.random((M, 3))
+    if duplicates:  # exact repeats: pairs at distance 0
+        a[N // 2 :] = a[: N - N // 2]
+        b[:50] = a[:50]
+    return a.astype(dtype), b.astype(dtype)
+
+
+@eqx.filter_jit
+def pairs_of(tree, r, capacity, p=2.0, eps=0.0):
+    return tree.query_pairs(r, capacity, p=p, eps=eps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("p", [1.0, 2.0, 3.0, np.inf])
+def test_query_pairs_match_scipy_in_order(p, dtype):
+    points, _ = two_sets(dtype, duplicates=True)
+    r = 0.12
+    pairs, distances, count = pairs_of(kdeqx.KDTree(points), r, 4000, p)
+    expected = cKDTree(points).query_pairs(r, p=p, output_type="ndarray")
+    expected = expected[np.lexsort((expected[:, 1], expected[:, 0]))]
+    assert int(count) == len(expected)
+    np.testing.assert_array_equal(kdeqx.pair_array(pairs, count), expected)
+    assert kdeqx.pair_set(pairs, count) == cKDTree(points).query_pairs(r, p=p)
+    true = minkowski(points[expected[:, 0]] - points[expected[:, 1]], p)
+    np.testing.assert_allclose(distances[: len(expected)], true, rtol=2e-6, atol=1e-7)
+    # Padding: (n, n) at distance inf.
+    assert np.all(np.asarray(pairs[len(expected) :]) == N)
+    assert np.all(np.isinf(distances[len(expected) :]))
+
+
+@pytest.mark.x64
+def test_query_pairs_in_a_periodic_box_and_approximately():
+    points, _ = two_sets(np.float64)
+    box = np.array([1.0, 1.0, 0.0])
+    tree = kdeqx.KDTree(points, box=box)
+    reference = cKDTree(points, boxsize=[1.0, 1.0, 10.0])
+    pairs, _, count = pairs_of(tree, 0.1, 4000)
+    assert kdeqx.pair_set(pairs, count) == reference.query_pairs(0.1)
+    # eps: every pair within r / (1 + eps), none beyond r.
+    eps = 0.5
+    pairs, _, count = pairs_of(tree, 0.1, 4000, eps=eps)
+    found = kdeqx.pair_set(pairs, count)
+    assert reference.query_pairs(0.1 / (1 + eps)) <= found <= reference.query_pairs(0.1)
+
+
+def test_query_pairs_overflow_keeps_the_count_and_can_raise():
+    points, _ = two_sets(np.float32)
+    tree = kdeqx.KDTree(points)
+    expected = cKDTree(points).query_pairs(0.2)
+    pairs, distances, count = tree.query_pairs(0.2, 10)
+    assert int(count) == len(expected) > 10
+    kept = {tuple(pair) for pair in np.asarray(pairs).tolist()}
+    assert len(kept) == 10 and kept <= expected
+    with pytest.raises(ValueError, match="cut off"):
+        kdeqx.pair_set(pairs, count)
+    with pytest.raises(eqx.EquinoxRuntimeError, match="max_pairs=10"):
+        jax.block_until_ready(tree.query_pairs(0.2, 10, raise_on_overflow=True))
+
+
+def test_pairs_of_tiny_and_empty_trees():
+    for n in (0, 1, 2):
+        points = np.zeros((n, 2), np.float32)
+        pairs, distances, count = kdeqx.KDTree(points).query_pairs(1.0, 3)
+        assert int(count) == n * (n - 1) // 2
+        if n == 2:
+            assert np.asarray(pairs[0]).tolist() == [0, 1] and distances[0] == 0
+        assert np.all(np.asarray(pairs[int(count) :]) == n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_query_ball_tree_matches_scipy(dtype):
+    a, b = two_sets(dtype, duplicates=True)
+    tree_a, tree_b = kdeqx.KDTree(a), kdeqx.KDTree(b)
+    for p in (1.0, 2.0, np.inf):
+        distances, indices, counts = tree_a.query_ball_tree(tree_b, 0.15, 40, p=p)
+        expected = cKDTree(a).query_ball_tree(cKDTree(b), 0.15, p=p)
+        lists = kdeqx.ball_lists(indices, counts)
+        assert [sorted(row) for row in lists] == [sorted(row) for row in expected]
+        for row, count in zip(np.asarray(distances), np.asarray(counts), strict=True):
+            assert np.all(np.diff(row[:count]) >= 0)  # nearest first
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("p", [1.0, 2.0, np.inf])
+def test_sparse_distance_matrix_matches_scipy(p, dtype):
+    a, b = two_sets(dtype, duplicates=True)
+    matrix, count = kdeqx.KDTree(a).sparse_distance_matrix(
+        kdeqx.KDTree(b), 0.15, 3000, p=p
+    )
+    expected = cKDTree(a).sparse_distance_matrix(
+        cKDTree(b), 0.15, p=p, output_type="coo_matrix"
+    )
+    ours = kdeqx.to_scipy_sparse(matrix, count)
+    assert ours.shape == (N, M) and ours.nnz == expected.nnz == int(count)
+    np.testing.assert_allclose(ours.toarray(), expected.toarray(), rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        matrix.todense(), expected.toarray(), rtol=2e-6, atol=1e-7
+    )
+    # Sorted by row then column, as BCOO's `indices_sorted` promises.
+    rows, cols = ours.row, ours.col
+    assert np.all((np.diff(rows) > 0) | ((np.diff(rows) == 0) & (np.diff(cols) > 0)))
+    as_dict = kdeqx.distance_dict(matrix, count)
+    assert set(as_dict) == set(zip(expected.row.tolist(), expected.col.tolist()))
+
+
+@pytest.mark.x64
+@pytest.mark.parametrize("p", [1.0, 1.5, 2.0, np.inf])
+@pytest.mark.parametrize("periodic", [False, True])
+def test_count_neighbors_matches_scipy(periodic, p):
+    if True:
+        a, b = two_sets(np.float64, duplicates=True)
+        box = 1.0 if periodic else None
+        tree_a, tree_b = kdeqx.KDTree(a, box=box), kdeqx.KDTree(b, box=box)
+        ref_a, ref_b = cKDTree(a, boxsize=box), cKDTree(b, boxsize=box)
+        radii = np.array([0.3, 0.0, 0.05, 0.1, 0.2, 2.0])  # unsorted: allowed
+        counts = tree_a.count_neighbors(tree_b, radii, p=p)
+        assert counts.dtype == jnp.int64
+        np.testing.assert_array_equal(counts, ref_a.count_neighbors(ref_b, radii, p=p))
+        # A scalar radius gives a scalar; auto-pairs count (i, i) and both orders.
+        auto = tree_a.count_neighbors(tree_a, 0.1, p=p)
+        assert auto.shape == () and int(auto) == ref_a.count_neighbors(ref_a, 0.1, p=p)
+        # Bins between sorted radii.
+        edges = np.sort(radii)
+        np.testing.assert_array_equal(
+            tree_a.count_neighbors(tree_b, edges, p=p, cumulative=False),
+            ref_a.count_neighbors(ref_b, edges, p=p, cumulative=False),
+        )
+
+
+@pytest.mark.x64
+def test_weighted_count_neighbors_match_scipy_and_differentiate():
+    a, b = two_sets(np.float64)
+    rng = np.random.default_rng(3)
+    wa, wb = rng.random(N), rng.random(M)
+    tree_a, tree_b, ref_a, ref_b = (
+        kdeqx.KDTree(a),
+        kdeqx.KDTree(b),
+        cKDTree(a),
+        cKDTree(b),
+    )
+    radii = np.array([0.05, 0.1, 0.2])
+    for weights in [(wa, wb), (wa, None), (None, wb)]:
+        np.testing.assert_allclose(
+            tree_a.count_neighbors(tree_b, radii, weights=weights),
+            ref_a.count_neighbors(ref_b, radii, weights=weights),
+            rtol=1e-12,
+        )
+    np.testing.assert_allclose(
+        tree_a.count_neighbors(tree_a, radii, weights=wa),
+        ref_a.count_neighbors(ref_a, radii, weights=wa),
+        rtol=1e-12,
+    )
+    # d/dw_a of sum_ij wa_i wb_j [d_ij <= r] is sum_j wb_j [d_ij <= r].
+    grad = jax.grad(lambda w: tree_a.count_neighbors(tree_b, 0.1, weights=(w, wb)))(wa)
+    np.testing.assert_allclose(grad, (all_distances(a, b, 2) <= 0.1) @ wb, rtol=1e-12)
+
+
+def test_count_neighbors_of_empty_trees():
+    a, b = two_sets(np.float32)
+    empty = kdeqx.KDTree(np.zeros((0, 3), np.float32))
+    for first, second in [(empty, kdeqx.KDTree(b)), (kdeqx.KDTree(a), empty)]:
+        assert np.all(np.asarray(first.count_neighbors(second, [0.1, 1.0])) == 0)
+
+
+def test_pair_distances_differentiate():
+    a, _ = two_sets(np.float32)
+
+    def total(points):
+        return jnp.sum(jnp.where(*_finite(kdeqx.KDTree(points).query_pairs(0.1, 900))))
+
+    grad = jax.grad(total)(a)
+    pairs, _, count = kdeqx.KDTree(a).query_pairs(0.1, 900)
+    pairs = np.asarray(pairs)[: int(count)]
+    diff = a[pairs[:, 0]].astype(np.float64) - a[pairs[:, 1]]
+    unit = diff / np.linalg.norm(diff, axis=-1, keepdims=True)
+    expected = np.zeros_like(a, np.float64)
+    np.add.at(expected, pairs[:, 0], unit)
+    np.add.at(expected, pairs[:, 1], -unit)
+    np.testing.assert_allclose(grad, expected, atol=1e-4)
+
+
+def _finite(answer):
+    _, distances, _ = answer
+    finite = jnp.isfinite(distances)
+    return finite, distances, 0.0
+
+
+def test_pairs_and_counts_under_vmap_over_trees():
+    rng = np.random.default_rng(4)
+    batch = rng.random((3, 100, 2)).astype(np.float32)
+    trees = jax.vmap(kdeqx.KDTree)(batch)
+
+    @eqx.filter_jit
+    @eqx.debug.assert_max_traces(max_traces=1)
+    def both(trees):
+        pairs = jax.vmap(lambda t: t.query_pairs(0.1, 300))(trees)
+        counts = jax.vmap(lambda t: t.count_neighbors(t, jnp.array([0.05, 0.1])))(trees)
+        return pairs, counts
+
+    (pairs, _, count), counts = both(trees)
+    for i, points in enumerate(batch):
+        reference = cKDTree(points)
+        assert kdeqx.pair_set(pairs[i], count[i]) == reference.query_pairs(0.1)
+        np.testing.assert_array_equal(
+            counts[i], reference.count_neighbors(reference, [0.05, 0.1])
+        )
+    both(trees)  # no retrace
+
+
+def test_bad_pair_arguments():
+    a, b = two_sets(np.float32)
+    tree, other = kdeqx.KDTree(a), kdeqx.KDTree(b)
+    flat = kdeqx.KDTree(b[:, :2])
+    with pytest.raises(ValueError, match="dimension"):
+        tree.count_neighbors(flat, 0.1)
+    with pytest.raises(ValueError, match="dimension"):
+        tree.sparse_distance_matrix(flat, 0.1, 10)
+    with pytest.raises(TypeError, match="kdeqx tree"):
+        tree.query_ball_tree(b, 0.1, 4)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="`r` must be >= 0"):
+        tree.query_pairs(-0.1, 10)
+    with pytest.raises(ValueError, match="`r` must be finite"):
+        tree.count_neighbors(other, [0.1, np.inf])
+    with pytest.raises(ValueError, match="scalar"):
+        tree.query_pairs(np.array([0.1, 0.2]), 10)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        tree.count_neighbors(other, [0.2, 0.1], cumulative=False)
+    with pytest.raises(ValueError, match="one entry per point"):
+        tree.count_neighbors(other, 0.1, weights=(np.ones(N), np.ones(M + 1)))
+    with pytest.raises(ValueError, match="`weights` must be finite"):
+        tree.count_neighbors(other, 0.1, weights=(np.full(N, np.nan), None))
+    with pytest.raises(ValueError, match="for two trees"):
+        tree.count_neighbors(other, 0.1, weights=np.ones(N))
+    with pytest.raises(ValueError, match="`p` must be >= 1"):
+        tree.query_pairs(0.1, 10, p=0.5)
+
+    @jax.jit
+    def counted(r):
+        return tree.count_neighbors(other, r)
+
+    with pytest.raises(Exception, match="`r` must be >= 0"):
+        jax.block_until_ready(counted(jnp.array([-1.0])))
