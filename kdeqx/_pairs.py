@@ -13,9 +13,12 @@ import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._backend import sort_index_pairs
 from ._custom_types import Array, Bool, Float, Int
+from ._mesh import cpu_devices_for, padded_rows, split_sum_over_cpu_devices
 from ._metric import Minkowski
 from ._search import (
     far_queries,
@@ -48,40 +51,30 @@ class Pairs(eqx.Module):
 
 
 class _WithinRadius(AbstractVisitor):
-    """Counts the points within `r` of one query (row `row`) and emits each as a
-    record `(row, index, powered distance)`. With `above`, only points whose index
-    plus `offset` exceeds `row` count: the pairs `i < j` of a set with itself."""
+    """Emits a record `(row, index)` for each point within `r` of one query (row
+    `row`). With `above`, only points whose index plus `offset` exceeds `row`: the
+    pairs `i < j` of a set with itself. The walk's state is unused: the sink counts."""
 
     r2: Float[Array, ""]
     row: Int[Array, ""]
     offset: Int[Array, ""]
     above: bool = eqx.field(static=True)
 
-    def _inside(self, d2, indices) -> Bool[Array, " leaf"]:
-        inside = d2 <= self.r2
-        if self.above:
-            inside = inside & (indices.astype(self.row.dtype) + self.offset > self.row)
-        return inside
-
     def init(self) -> Int[Array, ""]:
-        return jnp.zeros((), self.row.dtype)
+        return jnp.zeros((), jnp.int8)
 
     def should_visit(self, state, box_d2, min_index) -> Bool[Array, ""]:
         return box_d2 <= self.r2
 
     def visit_leaf(self, state, d2, indices) -> Int[Array, ""]:
-        return state + jnp.sum(self._inside(d2, indices), dtype=state.dtype)
+        return state
 
     def leaf_records(self, d2, indices):
-        rows = jnp.broadcast_to(self.row, indices.shape)
-        return self._inside(d2, indices), (rows, indices.astype(self.row.dtype))
-
-
-def sorted_pairs(
-    rows: Int[Array, " capacity"], cols: Int[Array, " capacity"], count
-) -> tuple[Int[Array, " capacity"], Int[Array, " capacity"], Int[Array, ""]]:
-    """The pairs in the order of (row, column); the padding sorts last."""
-    return (*sort_index_pairs(rows, cols), count)
+        inside = d2 <= self.r2
+        indices = indices.astype(self.row.dtype)
+        if self.above:
+            inside = inside & (indices + self.offset > self.row)
+        return inside, (jnp.broadcast_to(self.row, indices.shape), indices)
 
 
 def no_pairs(m: int, n: int, capacity: int, dtype, index_dtype) -> Pairs:
@@ -107,27 +100,85 @@ def pairs_within(
     `above`, only those with `j + offset > i`. Distances are differentiable."""
     m, n = x.shape[0], tree.n
     index_dtype = index_dtype_for(max(m, n) + 1)
-    found = no_pairs(m, n, capacity, x.dtype, index_dtype)
     if m == 0 or n == 0:
-        return found
-    r2 = search_threshold(tree, r, metric)
-    offset = jnp.asarray(offset, index_dtype)
-    visitors = jax.vmap(lambda row: _WithinRadius(r2, row, offset, above))(
-        jnp.arange(m, dtype=index_dtype)
-    )
-    sink = Sink((found.rows, found.cols), found.count)
-    counts, filled = walk_many(tree, x, visitors, metric, sink=sink)
-    assert filled is not None
-    sink = filled
-    rows, cols = sink.records
+        return no_pairs(m, n, capacity, x.dtype, index_dtype)
     far = far_queries(tree, x, metric)
-    beyond = far.beyond(far.distance <= r)  # the walk admitted them from afar
-    dropped = (rows < m) & rows_at(beyond, rows)
-    rows, cols = jnp.where(dropped, m, rows), jnp.where(dropped, n, cols)
-    count = jnp.where(
-        jnp.any(beyond), jnp.sum(jnp.where(beyond, 0, counts)), sink.written
+    # A far query beyond `r` of the whole tree pairs with nothing; the walk, which
+    # answers it from nearer (see `FarQueries`), must then find nothing: radius -1.
+    r2 = search_threshold(tree, r, metric)
+    r2 = jnp.where(far.beyond(far.distance <= r), -1, r2)
+    rows, cols, count = _found_pairs(
+        tree,
+        x,
+        r2,
+        jnp.arange(m, dtype=index_dtype),
+        jnp.asarray(offset, index_dtype),
+        capacity,
+        metric,
+        above,
     )
-    return pair_distances(tree, x, *sorted_pairs(rows, cols, count), metric)
+    return pair_distances(tree, x, rows, cols, count, metric)
+
+
+def _found_pairs(tree, x, r2, rows, offset, capacity: int, metric, above: bool):
+    """The pairs as `(rows, cols, count)`, sorted; the queries split over the CPU's
+    devices where there are several (see `kdeqx._mesh.split_over_cpu_devices`)."""
+    m = x.shape[0]
+    devices = cpu_devices_for(tree, x)
+    if len(devices) < 2:
+        return _sorted_records(tree, x, r2, rows, offset, capacity, metric, above, m)
+    mesh = Mesh(np.array(devices), ("cpu",))
+    blocks = m + (-m) % len(devices)
+    # Whole blocks per device: the padding repeats the last query, with radius -1.
+    x, rows = (padded_rows(a, blocks) for a in (x, rows))
+    r2 = jnp.pad(r2, (0, blocks - m), constant_values=-1)
+    queries, shared = PartitionSpec("cpu"), PartitionSpec()
+    specs = (shared, queries, queries, queries, shared)
+    placed = [
+        jax.device_put(a, NamedSharding(mesh, spec))
+        for a, spec in zip((tree, x, r2, rows, offset), specs, strict=True)
+    ]
+
+    def on_device(tree, x, r2, rows, offset):
+        found = _sorted_records(tree, x, r2, rows, offset, capacity, metric, above, m)
+        return jax.tree.map(lambda a: a[None] if a.ndim == 0 else a, found)
+
+    found_rows, found_cols, counts = jax.shard_map(
+        on_device,
+        mesh=mesh,
+        in_specs=specs,
+        out_specs=queries,
+        check_vma=False,  # as in `split_over_cpu_devices`
+    )(*placed)
+    # Device `s` holds lower rows than device `s + 1`: its sorted pairs come first.
+    found = found_rows < m
+    slot = jnp.cumsum(found, dtype=counts.dtype) - 1
+    slot = jnp.where(found, slot, capacity)
+    return (
+        jnp.full(capacity, m, rows.dtype).at[slot].set(found_rows, mode="drop"),
+        jnp.full(capacity, tree.n, rows.dtype).at[slot].set(found_cols, mode="drop"),
+        _saturating_sum(counts),
+    )
+
+
+def _sorted_records(tree, x, r2, rows, offset, capacity, metric, above, m: int):
+    """One device's pairs, sorted: `(rows, cols, count)`, padded with `(m, n)`."""
+    visitors = jax.vmap(lambda r2, row: _WithinRadius(r2, row, offset, above))(r2, rows)
+    empty = no_pairs(m, tree.n, capacity, x.dtype, rows.dtype)
+    sink = Sink((empty.rows, empty.cols), empty.count)
+    _, filled = walk_many(tree, x, visitors, metric, sink=sink)
+    assert filled is not None
+    return *sort_index_pairs(*filled.records), filled.written
+
+
+def _saturating_sum(counts: Int[Array, " s"]) -> Int[Array, ""]:
+    most = jnp.iinfo(counts.dtype).max
+    return lax.fori_loop(
+        0,
+        counts.shape[0],
+        lambda i, total: total + jnp.minimum(counts[i], most - total),
+        jnp.zeros((), counts.dtype),
+    )
 
 
 def pair_distances(tree, x, rows, cols, count, metric: Minkowski) -> Pairs:
@@ -199,9 +250,7 @@ def counts_within(
     # The walk answers far queries from nearer: they are counted apart, below.
     near_weights = jnp.where(far.far, 0, 1 if x_weights is None else x_weights)
     visitor = _CountsWithin(search_threshold(tree, radii, metric), weights, count_dtype)
-    (counts, estimate), _ = walk_many(
-        tree, x, visitor, metric, None, summed=True, query_weights=near_weights
-    )
+    counts, estimate = _summed_walk(tree, x, near_weights, visitor, metric)
     far_counts = _far_counts(far, radii, x_weights, weights, tree.n, count_dtype)
     counts, estimate = counts + far_counts, estimate + far_counts.astype(jnp.float32)
     if count_dtype == jnp.int32:
@@ -212,6 +261,15 @@ def counts_within(
             "x64 (`jax.config.update('jax_enable_x64', True)`) for int64 counts.",
         )
     return counts
+
+
+@split_sum_over_cpu_devices
+def _summed_walk(tree, x, row_weights, visitor, metric):
+    """The visitor's final states over all queries, each weighted, summed."""
+    states, _ = walk_many(
+        tree, x, visitor, metric, None, summed=True, query_weights=row_weights
+    )
+    return states
 
 
 def _far_counts(far: FarQueries, radii, x_weights, weights, n: int, count_dtype):

@@ -1,5 +1,6 @@
 import os
 
+import equinox as eqx
 import jax
 import numpy as np
 import pytest
@@ -26,6 +27,29 @@ def _needs_x64(item: pytest.Item) -> bool:
         return True
     callspec = getattr(item, "callspec", None)
     return callspec is not None and any(map(_is_float64, callspec.params.values()))
+
+
+# Linux limits a process's memory maps (`vm.max_map_count`, 65,530 by default). Every
+# compiled program stays mapped while a cache holds it, and XLA crashes (a segfault or
+# an abort while compiling) when a map fails. The whole suite in one process compiles
+# more than that: the caches are emptied before it gets close.
+_MAX_MAPS = 40_000
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return maps.read().count(b"\n")
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _compiled_programs_released():
+    yield
+    if _memory_maps() > _MAX_MAPS:
+        eqx.clear_caches()
+        jax.clear_caches()
 
 
 @pytest.fixture(autouse=True)

@@ -243,21 +243,28 @@ def test_far_queries_in_every_norm():
         np.testing.assert_allclose(distances, ref_d, rtol=1e-6)
 
 
-@pytest.mark.parametrize("leaf_size", [1, 2, 3, 5, 8, 10, 16, 40])
-def test_every_small_tree_with_every_leaf_size(leaf_size):
+@pytest.mark.parametrize("leaf_size", [1, 3, 10, 40])
+def test_small_trees_with_any_leaf_size(leaf_size):
     rng = np.random.default_rng(leaf_size)
     points = rng.random((70, 2)).astype(np.float32)
     x = rng.random((16, 2)).astype(np.float32)
-    for n in [*range(0, 12), 17, 33, 41, 70]:
+    sizes = {0, 1, 2, leaf_size - 1, leaf_size, leaf_size + 1, 2 * leaf_size + 1, 70}
+    for n in sorted(s for s in sizes if 0 <= s <= 70):
         tree = kdeqx.KDTree(points[:n], leaf_size=leaf_size)
-        assert tree.leaf_size == leaf_size
-        answer = queried(tree, x, 4, 2.0)
-        ref_d, ref_i = brute_force(points[:n], x, 4, 2.0)
-        np.testing.assert_allclose(answer[0], ref_d, rtol=2e-6)
-        counts = tree.count_ball_point(x, 0.3)
-        np.testing.assert_array_equal(
-            counts, (minkowski(x[:, None] - points[None, :n], 2) <= 0.3).sum(-1)
+        # Every point in exactly one slot, inside its leaf's box.
+        slots = np.asarray(tree.leaf_indices)
+        assert len(slots) % leaf_size == 0 and len(slots) >= n
+        assert sorted(slots[slots < n].tolist()) == list(range(n))
+        assert np.all(slots[slots >= n] == n)
+        leaf = np.arange(len(slots)) // leaf_size + tree.num_leaves - 1
+        inside = (tree.node_lo[leaf] <= tree.leaf_points) & (
+            tree.leaf_points <= tree.node_hi[leaf]
         )
+        assert np.all(inside[slots < n])
+    for n in (leaf_size + 1, 70):
+        tree = kdeqx.KDTree(points[:n], leaf_size=leaf_size)
+        ref_d, _ = brute_force(points[:n], x, 4, 2.0)
+        np.testing.assert_allclose(queried(tree, x, 4, 2.0)[0], ref_d, rtol=2e-6)
 
 
 @pytest.mark.parametrize(

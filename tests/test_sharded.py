@@ -535,6 +535,23 @@ def check_cpu_split():
     def loss(x, t):
         return t.query(x, 5)[0].sum() + t.interpolate(x, values, k=4).sum()
 
+    # Pairs and pair counts: split too, with the answers of one device (1001 rows,
+    # not divisible by 4: padded). A capacity that cuts off keeps other real pairs.
+    other = kdeqx.KDTree(points[:1001])
+
+    def between(t, o):
+        counts = t.count_neighbors(o, jnp.array([0.02, 0.05, 0.1]))
+        weighted = t.count_neighbors(o, 0.05, weights=(None, values[:1001, 0]))
+        return t.query_pairs(0.05, 9000), t.query_pairs(0.05, 100), counts, weighted
+
+    ours, reference = jax.jit(between)(split, other), jax.jit(between)(one, other)
+    _assert_same((ours[0], ours[2]), (reference[0], reference[2]), exact=False)
+    np.testing.assert_allclose(ours[3], reference[3], rtol=1e-5)
+    (kept, _, count), everything = ours[1], ours[0][0]
+    assert int(count) == int(ours[0][2]) > 100  # the small capacity was cut off
+    real = {tuple(pair) for pair in np.asarray(everything).tolist()}
+    assert {tuple(pair) for pair in np.asarray(kept).tolist()} <= real
+
     grad = jax.jit(jax.grad(loss))
     np.testing.assert_allclose(grad(x, split), grad(x, one), rtol=1e-5, atol=1e-6)
     # The tree is replicated into the split: its cotangents are summed back.
