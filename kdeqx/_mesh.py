@@ -75,14 +75,14 @@ def split_over_cpu_devices(fn):
 
     @ft.wraps(fn)
     def split(tree, x, threshold, *config):
-        devices = cpu_devices_for(tree, x)
+        devices = _cpu_devices_for(tree, x)
         if len(devices) < 2:
             return fn(tree, x, threshold, *config)
         mesh = Mesh(np.array(devices), ("cpu",))
         batch = x.shape[:-1]
         q = math.prod(batch)
         # Whole blocks per device: the last query repeated, its answers dropped.
-        padded = ft.partial(padded_rows, rows=q + (-q) % len(devices))
+        padded = ft.partial(_padded_rows, rows=q + (-q) % len(devices))
         x = padded(x.reshape(q, x.shape[-1]))
         per_query = jnp.ndim(threshold) > 0
         if per_query:
@@ -107,7 +107,7 @@ def split_over_cpu_devices(fn):
     return split
 
 
-def padded_rows(array, rows: int):
+def _padded_rows(array, rows: int):
     missing = rows - array.shape[0]
     if missing == 0:
         return array
@@ -119,7 +119,7 @@ def padded_rows(array, rows: int):
 _MIN_QUERIES_PER_DEVICE = 256
 
 
-def cpu_devices_for(tree, x) -> list:
+def _cpu_devices_for(tree, x) -> list:
     """The CPU devices to split the queries `x` over (none: do not split)."""
     if not tree.split_queries or jax.default_backend() != "cpu":
         return []
@@ -143,14 +143,14 @@ def split_sum_over_cpu_devices(fn):
 
     @ft.wraps(fn)
     def split(tree, x, row_weights, *config):
-        devices = cpu_devices_for(tree, x)
+        devices = _cpu_devices_for(tree, x)
         if len(devices) < 2:
             return fn(tree, x, row_weights, *config)
         mesh = Mesh(np.array(devices), ("cpu",))
         q = x.shape[0]
         rows = q + (-q) % len(devices)
         # Whole blocks per device: the padding repeats the last query, weighing 0.
-        x = padded_rows(x, rows)
+        x = _padded_rows(x, rows)
         row_weights = jnp.pad(row_weights, (0, rows - q))
         queries, shared = PartitionSpec("cpu"), PartitionSpec()
         specs = (shared, queries, queries)
