@@ -36,15 +36,21 @@ class cores:
 
         self.before = os.sched_getaffinity(0)
         if self.which is not None:
-            for thread in _thread_ids():
-                os.sched_setaffinity(thread, set(self.which))
+            _pin_threads(set(self.which))
         return self
 
     def __exit__(self, *exc):
-        import os
+        _pin_threads(self.before)
 
-        for thread in _thread_ids():
-            os.sched_setaffinity(thread, self.before)
+
+def _pin_threads(which):
+    import os
+
+    for thread in _thread_ids():
+        try:
+            os.sched_setaffinity(thread, which)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
 
 
 def _thread_ids():

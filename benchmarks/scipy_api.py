@@ -38,8 +38,9 @@ def count_neighbors_task(rng, rmax):
     trees = kdeqx.KDTree(a), kdeqx.KDTree(b)
     references = cKDTree(a), cKDTree(b)
     count = eqx.filter_jit(lambda a, b: a.count_neighbors(b, radii))
-    ours, theirs = np.asarray(count(*trees)), references[0].count_neighbors(
-        references[1], radii
+    ours, theirs = (
+        np.asarray(count(*trees)),
+        references[0].count_neighbors(references[1], radii),
     )
     # float32 distances near a radius may round to the other side of it.
     note = f" | max |kdeqx - scipy| = {np.abs(ours - theirs).max()} of {theirs[-1]}"
