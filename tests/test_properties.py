@@ -196,3 +196,34 @@ def test_no_nan_gradients_anywhere(problem):
     for box in (None, 1.0):
         for g in _gradients(points, x, values, box=box):
             assert np.isfinite(g).all(), (kind, box)
+
+
+def _minkowski(diff, p):
+    diff = np.abs(diff)
+    return diff.max(-1) if p == np.inf else (diff**p).sum(-1) ** (1 / p)
+
+
+@eqx.filter_jit
+def _pairs_and_counts(tree, other, r, p):
+    radii = jnp.stack([r / 2, r])
+    return tree.query_pairs(r, 800, p=p), tree.count_neighbors(other, radii, p=p)
+
+
+@given(problems(sizes=(5, 40), dims=(3,)), st.sampled_from([1.0, 2.0, np.inf]))
+def test_pairs_and_pair_counts_agree_with_brute_force(problem, p):
+    points, x, _, _ = problem
+    within = _minkowski(points[:, None].astype(float) - points[None].astype(float), p)
+    between = _minkowski(points[:, None].astype(float) - x[None].astype(float), p)
+    r = _radii_between_distances(within.reshape(1, -1))[0]
+    every = np.concatenate([within.ravel(), between.ravel()])
+    for radius in (r / 2, r):
+        gaps = np.abs(every - radius) / max(radius, np.finfo(float).tiny)
+        assume(gaps.min() > 1e-4)  # no distance on a sphere: float32 may disagree
+    (pairs, _, count), counts = _pairs_and_counts(
+        kdeqx.KDTree(points), kdeqx.KDTree(x), np.asarray(r, points.dtype), p
+    )
+    i, j = np.nonzero(np.triu(within <= r, k=1))
+    assert kdeqx.pair_set(pairs, count) == set(zip(i.tolist(), j.tolist()))
+    np.testing.assert_array_equal(
+        counts, [(between <= r / 2).sum(), (between <= r).sum()]
+    )
