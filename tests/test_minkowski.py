@@ -10,10 +10,14 @@ from scipy.spatial import cKDTree
 
 import kdeqx
 
-from .helpers import DTYPES
-
 
 P_VALUES = [1.0, 1.5, 2.0, 3.0, np.inf]
+# Every norm in float64 (exact ties), the fast paths' two extremes in float32 (p = 2 in
+# float32 is the rest of the suite).
+NORMS_AND_DTYPES = [(p, np.float64) for p in P_VALUES] + [
+    (1.0, np.float32),
+    (np.inf, np.float32),
+]
 N, Q, K = 400, 64, 6
 
 
@@ -76,8 +80,7 @@ def check_knn(points, x, answer, p, **reference):
     np.testing.assert_allclose(true, distances, rtol=2e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("p", P_VALUES)
+@pytest.mark.parametrize("p, dtype", NORMS_AND_DTYPES)
 def test_knn_in_every_norm(p, dtype):
     points, x = data(dtype)
     tree = kdeqx.KDTree(points)
@@ -98,8 +101,9 @@ def test_ties_broken_by_index_in_every_norm(p):
     )  # float32, but exact
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("p", [1.0, 3.0, np.inf])
+@pytest.mark.parametrize(
+    "p, dtype", [(1.0, np.float64), (3.0, np.float64), (np.inf, np.float32)]
+)
 def test_periodic_knn_in_every_norm(p, dtype):
     points, x = data(dtype)
     box = np.array([1.0, 1.0, 0.0])  # the last axis is not periodic
@@ -110,8 +114,7 @@ def test_periodic_knn_in_every_norm(p, dtype):
     np.testing.assert_allclose(np.asarray(queried(tree, x, K, p)[0]), scipy_d, 2e-5)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("p", P_VALUES)
+@pytest.mark.parametrize("p, dtype", NORMS_AND_DTYPES)
 def test_radius_queries_in_every_norm(p, dtype):
     points, x = data(dtype)
     tree, reference = kdeqx.KDTree(points), cKDTree(points)
@@ -214,7 +217,7 @@ def test_interpolation_in_a_norm():
 
 
 @pytest.mark.x64
-@pytest.mark.parametrize("p", [1.0, 1.5, 3.0, np.inf])
+@pytest.mark.parametrize("p", [1.0, 3.0, np.inf])
 def test_gradients_in_every_norm(p):
     points, x = data(np.float64)
     tree = kdeqx.KDTree(points)

@@ -11,8 +11,6 @@ from scipy.spatial import cKDTree
 
 import kdeqx
 
-from .helpers import DTYPES
-
 
 N, M = 300, 200
 
@@ -43,8 +41,9 @@ def pairs_of(tree, r, capacity, p=2.0, eps=0.0):
     return tree.query_pairs(r, capacity, p=p, eps=eps)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("p", [1.0, 2.0, 3.0, np.inf])
+@pytest.mark.parametrize(
+    "p, dtype", [(p, np.float64) for p in (1.0, 2.0, 3.0, np.inf)] + [(2.0, np.float32)]
+)
 def test_query_pairs_match_scipy_in_order(p, dtype):
     points, _ = two_sets(dtype, duplicates=True)
     r = 0.12
@@ -100,11 +99,10 @@ def test_pairs_of_tiny_and_empty_trees():
         assert np.all(np.asarray(pairs[int(count) :]) == n)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_query_ball_tree_matches_scipy(dtype):
-    a, b = two_sets(dtype, duplicates=True)
+def test_query_ball_tree_matches_scipy():
+    a, b = two_sets(np.float32, duplicates=True)
     tree_a, tree_b = kdeqx.KDTree(a), kdeqx.KDTree(b)
-    for p in (1.0, 2.0, np.inf):
+    for p in (1.0, np.inf):
         distances, indices, counts = tree_a.query_ball_tree(tree_b, 0.15, 40, p=p)
         expected = cKDTree(a).query_ball_tree(cKDTree(b), 0.15, p=p)
         lists = kdeqx.ball_lists(indices, counts)
@@ -113,8 +111,9 @@ def test_query_ball_tree_matches_scipy(dtype):
             assert np.all(np.diff(row[:count]) >= 0)  # nearest first
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("p", [1.0, 2.0, np.inf])
+@pytest.mark.parametrize(
+    "p, dtype", [(1.0, np.float64), (np.inf, np.float64), (2.0, np.float32)]
+)
 def test_sparse_distance_matrix_matches_scipy(p, dtype):
     a, b = two_sets(dtype, duplicates=True)
     matrix, count = kdeqx.KDTree(a).sparse_distance_matrix(
@@ -137,8 +136,10 @@ def test_sparse_distance_matrix_matches_scipy(p, dtype):
 
 
 @pytest.mark.x64
-@pytest.mark.parametrize("p", [1.0, 1.5, 2.0, np.inf])
-@pytest.mark.parametrize("periodic", [False, True])
+@pytest.mark.parametrize(
+    "p, periodic",
+    [(1.0, False), (1.5, True), (2.0, False), (2.0, True), (np.inf, True)],
+)
 def test_count_neighbors_matches_scipy(periodic, p):
     if True:
         a, b = two_sets(np.float64, duplicates=True)
