@@ -144,8 +144,8 @@ def pair_distances(tree, x, rows, cols, count, metric: Minkowski) -> Pairs:
 
 class _CountsWithin(AbstractVisitor):
     """For one query, the (weighted) number of points within each of the radii,
-    given as powered distances, ascending. Unweighted counts are integers, with a
-    float32 copy that shows when their sum over many queries would overflow."""
+    given as powered distances, ascending. Unweighted int32 counts carry a float32
+    copy that shows when their sum over many queries would overflow."""
 
     radii2: Float[Array, " radii"]
     weights: Float[Array, " n"] | None
@@ -165,6 +165,8 @@ class _CountsWithin(AbstractVisitor):
             weights = rows_at(self.weights, indices)[:, None]
             return counts + jnp.sum(jnp.where(inside, weights, 0), axis=0), estimate
         found = jnp.sum(inside, axis=0, dtype=self.count_dtype)
+        if self.count_dtype != jnp.int32:  # int64 sums cannot wrap: no estimate
+            return counts + found, estimate
         return counts + found, estimate + found.astype(jnp.float32)
 
 
