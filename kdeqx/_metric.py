@@ -4,6 +4,7 @@
 `<= 0` marks an axis as not periodic.
 """
 
+import functools as ft
 import math
 from typing import Literal
 
@@ -34,6 +35,27 @@ def _into_box(x, length):
     wrapped = x - length * jnp.floor(x / length)
     # x slightly below 0 can round to exactly L: that is the image 0.
     return jnp.where(wrapped >= length, wrapped - length, wrapped)
+
+
+class Block(eqx.Module):
+    """A block of points walked as one query (a leaf of a tree, in its search
+    coordinates): the walk bounds their distances to a box by their bounding box's,
+    and a leaf visit measures every point of the block to every point of the leaf.
+    Padding rows may hold any finite value; the visitor masks them.
+    """
+
+    points: Float[Array, "*batch size d"]
+    lo: Float[Array, "*batch d"]
+    hi: Float[Array, "*batch d"]
+
+    @property
+    def anchor(self) -> Float[Array, "*batch d"]:
+        """The point that places the block on the walk's curve: its box's centre."""
+        return (self.lo + self.hi) / 2
+
+
+# A walk's query: one point, or a block of points.
+Query = Float[Array, " d"] | Block
 
 
 def minimum_image(diff: Float[Array, "... d"], period) -> Float[Array, "... d"]:
@@ -82,6 +104,13 @@ class Minkowski(eqx.Module):
             return sum_nonnegative(terms)
         return jnp.sum(terms, axis=-1)
 
+    def powered_of_axes(self, diffs: list[Float[Array, "*shape"]]):
+        """The powered length of coordinate differences given axis by axis: XLA:CPU
+        vectorises this layout ~10x better than a short last axis."""
+        if self.is_max:
+            return ft.reduce(jnp.maximum, [jnp.abs(diff) for diff in diffs])
+        return ft.reduce(jnp.add, [self._terms(diff) for diff in diffs])
+
     def _terms(self, diff):
         if self.p == 2:
             return diff * diff
@@ -128,10 +157,9 @@ class Minkowski(eqx.Module):
         one_plus = 1 + self.eps.astype(dtype)
         return one_plus if self.is_max else one_plus**self.p
 
-    def box_lower_bound(
-        self, x: Float[Array, " d"], lo, hi, period, by_additions: bool = False
-    ):
-        """A lower bound on the powered distance from `x` to any point in the box.
+    def box_lower_bound(self, x: Query, lo, hi, period, by_additions: bool = False):
+        """A lower bound on the powered distance from `x` (a point, or any point of a
+        block) to any point in the box.
 
         It is shrunk by a few ulps per dimension: a point on the box's nearest corner
         has the same exact distance, but the two sums may round differently (fused or
@@ -141,23 +169,34 @@ class Minkowski(eqx.Module):
         if period is not None:
             # x and the box lie in [0, L): the images x - L and x + L are the others.
             images = jnp.minimum(
-                _gap_to_box(x + period, lo, hi), _gap_to_box(x - period, lo, hi)
+                _gap_to_box(x, lo, hi, period), _gap_to_box(x, lo, hi, -period)
             )
             gap = jnp.where(period > 0, jnp.minimum(gap, images), gap)
-        slack = 4 * (x.shape[-1] + 2) * self.exponent_bound * jnp.finfo(x.dtype).eps
+        d = lo.shape[-1]
+        slack = 4 * (d + 2) * self.exponent_bound * jnp.finfo(lo.dtype).eps
         summed_by = "additions" if by_additions else "reduction"
         return self.powered(gap, summed_by) * (1 - slack)
 
     def leaf_distances(
-        self, x: Float[Array, " d"], points: Float[Array, "m d"], period
-    ) -> Float[Array, " m"]:
-        """The powered distances from `x` to each of `points`."""
+        self, x: Query, points: Float[Array, "m d"], period
+    ) -> Float[Array, "*size m"]:
+        """The powered distances from `x` to each of `points`: shape `(m,)` from a
+        point, `(size, m)` from a block of `size` points."""
+        if isinstance(x, Block):
+            # By additions: XLA:CPU vectorises a block's terms so ~10x better than
+            # a reduction over the short last axis.
+            diff = minimum_image(points - x.points[:, None], period)
+            return self.powered(diff, "additions")
         return self.powered(minimum_image(points - x, period), "nonnegative")
 
 
-def _gap_to_box(x, lo, hi):
-    """Per axis, how far `x` lies outside `[lo, hi]`."""
-    return jnp.maximum(jnp.maximum(lo - x, x - hi), 0)
+def _gap_to_box(x: Query, lo, hi, shift=None):
+    """Per axis, how far `x` (moved by `shift`) lies outside `[lo, hi]`; for a block,
+    the gap between its box and `[lo, hi]`."""
+    x_lo, x_hi = (x.lo, x.hi) if isinstance(x, Block) else (x, x)
+    if shift is not None:
+        x_lo, x_hi = x_lo + shift, x_hi + shift
+    return jnp.maximum(jnp.maximum(lo - x_hi, x_lo - hi), 0)
 
 
 EUCLIDEAN = Minkowski(2.0)

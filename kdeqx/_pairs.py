@@ -15,12 +15,14 @@ import jax.lax as lax
 import jax.numpy as jnp
 
 from ._backend import sort_index_pairs
+from ._bits import bitmasks, laid_out, nth_set_bit, set_bit_count, WORD
 from ._custom_types import Array, Bool, Float, Int
 from ._mesh import split_sum_over_cpu_devices
-from ._metric import Minkowski
+from ._metric import Block, minimum_image, Minkowski, wrap_into_box
 from ._search import (
     far_queries,
     FarQueries,
+    measured_distances,
     neighbour_distances,
     rows_at,
     search_threshold,
@@ -67,12 +69,12 @@ class _WithinRadius(AbstractVisitor):
     def visit_leaf(self, state, d2, indices) -> Int[Array, ""]:
         return state
 
-    def leaf_records(self, d2, indices):
+    def leaf_records(self, d2, indices, leaf):
         inside = d2 <= self.r2
         indices = indices.astype(self.row.dtype)
         if self.above:
             inside = inside & (indices + self.offset > self.row)
-        return inside, (jnp.broadcast_to(self.row, indices.shape), indices)
+        return inside, (jnp.broadcast_to(self.row, indices.shape), indices), None
 
 
 def no_pairs(m: int, n: int, capacity: int, dtype, index_dtype) -> Pairs:
@@ -133,6 +135,143 @@ def _sorted_records(tree, x, r2, rows, offset, capacity, metric, above, m: int):
     _, filled = walk_many(tree, x, visitors, metric, sink=sink)
     assert filled is not None
     return *sort_index_pairs(*filled.records), filled.written
+
+
+class _LeafPairs(AbstractVisitor):
+    """The pairs of a tree with itself, from one of its leaves (number `leaf`)
+    walked as a `Block`. With node keys that are each subtree's last leaf, it visits
+    only leaves from its own on, and within its own only the slots after each
+    point's: every pair once.
+
+    For each of its points and each leaf visited, it emits one record: the point's
+    slot, the leaf, and the leaf's slots within `r` as a bitmask (32-bit words),
+    standing for as many pairs as bits set. A record is emitted only if it holds a
+    pair, so `capacity` records hold at least `capacity` pairs.
+    """
+
+    r2: Float[Array, ""]
+    leaf: Int[Array, ""]
+    valid: Bool[Array, " size"]
+
+    def init(self) -> Int[Array, ""]:
+        return jnp.zeros((), jnp.int8)
+
+    def should_visit(self, state, box_d2, last_leaf) -> Bool[Array, ""]:
+        return (box_d2 <= self.r2) & (last_leaf >= self.leaf)
+
+    def visit_leaf(self, state, d2, indices) -> Int[Array, ""]:
+        return state
+
+    def leaf_records(self, d2, indices, leaf):
+        size = d2.shape[0]
+        slot = jnp.arange(size)
+        later = (leaf > self.leaf) | ((leaf == self.leaf) & (slot > slot[:, None]))
+        inside = (d2 <= self.r2) & self.valid[:, None] & later
+        masks = bitmasks(inside)
+        found = jnp.sum(set_bit_count(masks), axis=1, dtype=jnp.int32)
+        rows = (self.leaf * size + slot).astype(indices.dtype)
+        leaves = jnp.broadcast_to(leaf.astype(indices.dtype), rows.shape)
+        return found > 0, (rows, leaves, masks), found
+
+
+def _unpacked(slots, leaves, masks, capacity: int, leaf_size: int):
+    """The first `capacity` pairs of slots `(a, b)` that records `(a, leaf, masks)`
+    stand for, in the records' order, and which of the outputs are pairs. The
+    records that hold pairs come first (the sink's)."""
+    word_counts = set_bit_count(masks)
+    counts = jnp.sum(word_counts, axis=1)
+    record, rank = laid_out(counts, capacity)
+    # Within the record, the word that holds the pair, then the bit.
+    word_counts = word_counts[record]
+    word = jnp.zeros_like(rank)
+    for w in range(masks.shape[1] - 1):
+        skip = (word == w) & (rank >= word_counts[:, w])
+        rank = jnp.where(skip, rank - word_counts[:, w], rank)
+        word = jnp.where(skip, w + 1, word)
+    bit = nth_set_bit(masks[record, word], rank)
+    a = slots[record]
+    b = leaves[record] * leaf_size + (word * WORD + bit).astype(leaves.dtype)
+    return a, b, jnp.arange(capacity) < jnp.sum(counts)
+
+
+def _last_leaves(tree: "KDTree") -> Int[Array, " nodes"]:
+    """Per node (heap order), the number of the last leaf below it: right children
+    all the way down, `(i + 2) * 2**levels - 2` for a node `levels` above the
+    leaves."""
+    num_leaves = tree.num_leaves
+    depth = num_leaves.bit_length() - 1
+    node = jnp.arange(2 * num_leaves - 1, dtype=jnp.int32)
+    level = 31 - lax.clz(node + 1)  # floor(log2(node + 1))
+    last = ((node + 2) << (depth - level)) - 2
+    return (last - (num_leaves - 1)).astype(tree.leaf_indices.dtype)
+
+
+@eqx.filter_jit
+def self_pairs(
+    tree: "KDTree", r: Float[Array, ""], capacity: int, metric: Minkowski
+) -> Pairs:
+    """The pairs `i < j` of the tree's points within `r`, sorted (`Pairs`).
+
+    Each leaf walks the tree as one query (a `Block`, bounded box to box), so the
+    walk and its pruning are paid per leaf rather than per point, and a visit
+    measures a whole leaf against a whole leaf. The pairs travel as bitmasks.
+    """
+    n, size = tree.n, tree.leaf_size
+    index_dtype = index_dtype_for(n + 1)
+    if n < 2:
+        return no_pairs(n, n, capacity, tree.dtype, index_dtype)
+    searched = lax.stop_gradient(tree)
+    leaf_count = tree.num_leaves
+    first_leaf = leaf_count - 1
+    blocks = Block(
+        searched.leaf_points.reshape(leaf_count, size, -1),
+        searched.node_lo[first_leaf:],
+        searched.node_hi[first_leaf:],
+    )
+    valid = (searched.leaf_indices < n).reshape(leaf_count, size)
+    r2 = search_threshold(tree, r, metric)
+    leaves = jnp.arange(leaf_count, dtype=tree.leaf_indices.dtype)
+    visitors = jax.vmap(lambda leaf, valid: _LeafPairs(r2, leaf, valid))(leaves, valid)
+    words = -(-size // WORD)
+    slot_dtype = tree.leaf_indices.dtype
+    sink = Sink(
+        (
+            jnp.zeros(capacity, slot_dtype),
+            jnp.zeros(capacity, slot_dtype),
+            jnp.zeros((capacity, words), jnp.uint32),
+        ),
+        jnp.zeros((), index_dtype),
+    )
+    _, filled = walk_many(
+        tree, blocks, visitors, metric, sink=sink, node_keys=_last_leaves(tree)
+    )
+    assert filled is not None
+    slots, leaves, masks = filled.records
+    a, b, found = _unpacked(slots, leaves, masks, capacity, size)
+    i, j = rows_at(searched.leaf_indices, a), rows_at(searched.leaf_indices, b)
+    rows = jnp.where(found, jnp.minimum(i, j), n).astype(index_dtype)
+    cols = jnp.where(found, jnp.maximum(i, j), n).astype(index_dtype)
+    rows, cols = sort_index_pairs(rows, cols)
+    distances = _distances_within(tree, rows, cols, metric)
+    return Pairs(rows, cols, distances, filled.written)
+
+
+def _distances_within(tree: "KDTree", rows, cols, metric: Minkowski):
+    """The distances between points `rows` and `cols` of the tree (`inf` at the
+    sentinel `n`), measured axis by axis in the search coordinates, where they
+    cannot overflow, and differentiable as `neighbour_distances`."""
+    searched = lax.stop_gradient(tree)
+    scale, period = searched.scale, searched.period
+    coords = (wrap_into_box(searched.points, period) * scale).T
+    diffs = [rows_at(axis, rows) - rows_at(axis, cols) for axis in coords]
+    if period is not None:
+        diffs = [
+            minimum_image(diff, length * scale) for diff, length in zip(diffs, period)
+        ]
+    measured = metric.from_power(metric.powered_of_axes(diffs)) / scale
+    measured = jnp.where(cols < tree.n, measured, jnp.inf)
+    x = rows_at(tree.points, rows)
+    return measured_distances(tree, x, cols[:, None], measured[:, None], metric.p)[:, 0]
 
 
 def pair_distances(tree, x, rows, cols, count, metric: Minkowski) -> Pairs:

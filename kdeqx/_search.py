@@ -166,6 +166,18 @@ def found_distances(
     )
 
 
+def measured_distances(
+    tree: "KDTree",
+    x: Float[Array, "*batch d"],
+    indices: Int[Array, "*batch k"],
+    measured: Float[Array, "*batch k"],
+    p: float,
+) -> Float[Array, "*batch k"]:
+    """Distances measured some other way (`inf` at sentinels), with the derivatives
+    of `neighbour_distances(tree, x, indices, p)`."""
+    return _differentiable(p, measured, tree, x, indices)
+
+
 @ft.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _differentiable(p, measured, tree, x, indices):
     """`measured`, differentiated as `neighbour_distances(tree, x, indices, p)`."""

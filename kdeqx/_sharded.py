@@ -186,6 +186,9 @@ class ShardedKDTree(AbstractKDTree):
     def _pairs(self, x, r, capacity, metric, above):
         return _merged_pairs(self, x, r, capacity, metric, above)
 
+    def _self_pairs(self, r, capacity, metric):
+        return self._pairs(self._points(), r, capacity, metric, True)
+
     def _counts_within(self, x, radii, metric, x_weights, weights):
         return _merged_counts(self, x, radii, metric, x_weights, weights)
 

@@ -24,8 +24,9 @@ import jax.lax as lax
 import jax.numpy as jnp
 
 from ._backend import argsort_keys, gather_clamped, lane_count, MAX_STEPS
+from ._bits import bitmasks, set_bit_count, WORD
 from ._custom_types import Array, Bool, Float, Int, PyTree, UInt
-from ._metric import Minkowski, wrap_into_box
+from ._metric import Block, Minkowski, Query, wrap_into_box
 
 
 if TYPE_CHECKING:
@@ -57,7 +58,8 @@ class AbstractVisitor(eqx.Module):
         """Whether a subtree may still change the state.
 
         `box_d2` lower-bounds the squared distance of every point in the subtree and
-        `min_index` is the lowest point index in it.
+        `min_index` is the subtree's key: the lowest point index in it, unless the
+        walk was given other `node_keys`.
         """
 
     @abc.abstractmethod
@@ -71,11 +73,12 @@ class AbstractVisitor(eqx.Module):
         """
 
     def leaf_records(
-        self, d2: Float[Array, " leaf"], indices: Int[Array, " leaf"]
-    ) -> tuple[Bool[Array, " leaf"], PyTree] | None:
-        """What a leaf adds to the walk's shared output (`walk_many`'s `sink`): which
-        of its slots emit a record, and the records, a pytree of arrays of leading
-        axis `leaf`. By default a visitor emits nothing.
+        self, d2: Float[Array, "*size leaf"], indices: Int[Array, " leaf"], leaf
+    ) -> tuple[Bool[Array, " emits"], PyTree, Int[Array, " emits"] | None] | None:
+        """What leaf number `leaf` adds to the walk's shared output (`walk_many`'s
+        `sink`): `(emits, records, weights)`, which records are emitted, the
+        records (a pytree of arrays whose leading axis is that of `emits`) and how
+        many items each stands for (`None`: one). By default a visitor emits nothing.
         """
         return None
 
@@ -83,36 +86,68 @@ class AbstractVisitor(eqx.Module):
 class Sink(eqx.Module):
     """A shared output that visitors append records to, in no particular order.
 
-    `records` are arrays of leading axis `capacity`, holding the first `capacity`
-    records emitted (the rest of each array keeps its initial value); `written` is
-    how many were emitted in all, saturating at the largest value of its dtype.
+    `records` are arrays of leading axis `capacity`, holding the first `stored`
+    records emitted (the rest of each array keeps its initial value). `written`
+    counts the items of all the records emitted, stored or not (a record stands for
+    one item, or for its weight), saturating at the largest value of its dtype.
     """
 
     records: PyTree
     written: Int[Array, ""]
+    stored: Int[Array, ""]
+
+    def __init__(self, records: PyTree, written, stored=None):
+        self.records = records
+        self.written = written
+        self.stored = jnp.zeros_like(written) if stored is None else stored
 
     @property
     def capacity(self) -> int:
         return jax.tree.leaves(self.records)[0].shape[0]
 
-    def appended(self, emits: Bool[Array, "..."], records: PyTree) -> "Sink":
+    def appended(
+        self, emits: Bool[Array, "*groups size"], records: PyTree, weights=None
+    ) -> "Sink":
         """The sink with the records where `emits` is set appended (the records'
-        leading axes are those of `emits`)."""
+        leading axes are those of `emits`), standing for `weights` items each (one
+        by default)."""
+        count = self.stored.dtype
+        rank = _ranks(emits).astype(count).reshape(-1)
         emits = emits.reshape(-1)
-        rank = jnp.cumsum(emits, dtype=self.written.dtype) - 1
-        room = self.capacity - self.written  # <= 0 once full
-        slot = jnp.where(emits & (rank < room), self.written + rank, self.capacity)
+        room = self.capacity - self.stored  # 0 once full
+        slot = jnp.where(emits & (rank < room), self.stored + rank, self.capacity)
 
         def append(buffer, new):
             new = new.reshape(-1, *buffer.shape[1:])
             return buffer.at[slot].set(new, mode="drop")
 
-        added = jnp.sum(emits, dtype=self.written.dtype)
-        most = jnp.iinfo(self.written.dtype).max
+        emitted = jnp.sum(emits, dtype=count)
+        items = emitted if weights is None else jnp.sum(weights, dtype=count)
+        most = jnp.iinfo(count).max
         return Sink(
             jax.tree.map(append, self.records, records),
-            self.written + jnp.minimum(added, most - self.written),
+            self.written + jnp.minimum(items, most - self.written),
+            self.stored + jnp.minimum(emitted, room),
         )
+
+
+def _ranks(emits: Bool[Array, "*groups size"]) -> Int[Array, "*groups size"]:
+    """For each flag, how many flags are set before it (in row-major order).
+
+    For groups of at most 32, from each group's bitmask (the set bits below a flag)
+    and a prefix sum over the groups: a prefix sum over every flag costs XLA:CPU
+    about twice as much.
+    """
+    size = emits.shape[-1]
+    if size > WORD:
+        flat = emits.reshape(-1)
+        return (jnp.cumsum(flat, dtype=jnp.int32) - flat).reshape(emits.shape)
+    groups = bitmasks(emits.reshape(-1, size))[:, 0]
+    counts = set_bit_count(groups)
+    before = jnp.cumsum(counts) - counts
+    below = (jnp.uint32(1) << jnp.arange(size, dtype=jnp.uint32)) - 1
+    within = set_bit_count(groups[:, None] & below)
+    return (before[:, None] + within).reshape(emits.shape)
 
 
 def far_limit(dtype, d: int, metric: Minkowski) -> float:
@@ -136,21 +171,26 @@ class _Steps(eqx.Module):
     period: Float[Array, " d"] | None
     metric: Minkowski
     prune_factor: Float[Array, ""] | None
+    node_keys: Int[Array, " nodes"]
 
-    def __init__(self, tree, metric: Minkowski):
+    def __init__(self, tree, metric: Minkowski, node_keys=None):
         self.tree = lax.stop_gradient(tree)
         scale = self.tree.scale
         period = self.tree.period
         self.period = None if period is None else period * scale
         self.metric = metric
         self.prune_factor = metric.prunes_by(scale.dtype)
+        self.node_keys = self.tree.node_min_index if node_keys is None else node_keys
 
     @property
     def first_leaf(self) -> int:
         return self.tree.num_leaves - 1
 
-    def search_point(self, x: Float[Array, " d"]) -> Float[Array, " d"]:
-        """`x` in the scaled (and, in a periodic box, wrapped) search coordinates."""
+    def search_point(self, x: Query) -> Query:
+        """`x` in the scaled (and, in a periodic box, wrapped) search coordinates; a
+        block is given in them."""
+        if isinstance(x, Block):
+            return x
         tree = self.tree
         scaled = wrap_into_box(lax.stop_gradient(x), tree.period) * tree.scale
         limit = far_limit(scaled.dtype, scaled.shape[-1], self.metric)
@@ -197,15 +237,13 @@ class _Steps(eqx.Module):
 
         Returns the new `(node, previous)`; a lane at a leaf or done stays put.
         """
-        min_index = self.tree.node_min_index
+        keys = self.node_keys
         parent = (node - 1) >> 1  # the root's parent is -1: the walk is over
         near, far, near_d2, far_d2 = self.children(x, node)
         if self.prune_factor is not None:  # scipy's `eps`: skip nearly-far subtrees
             near_d2, far_d2 = near_d2 * self.prune_factor, far_d2 * self.prune_factor
-        visit_near = visitor.should_visit(
-            state, near_d2, gather_clamped(min_index, near)
-        )
-        visit_far = visitor.should_visit(state, far_d2, gather_clamped(min_index, far))
+        visit_near = visitor.should_visit(state, near_d2, gather_clamped(keys, near))
+        visit_far = visitor.should_visit(state, far_d2, gather_clamped(keys, far))
         after_parent = jnp.where(visit_near, near, jnp.where(visit_far, far, parent))
         after_near = jnp.where(visit_far, far, parent)
         following = jnp.where(
@@ -233,16 +271,16 @@ class _Steps(eqx.Module):
         )
         visited = visitor.visit_leaf(state, d2, indices)
         state = jax.tree.map(lambda v, s: jnp.where(at_leaf, v, s), visited, state)
-        emitted = visitor.leaf_records(d2, indices)
+        emitted = visitor.leaf_records(d2, indices, leaf)
         if emitted is not None:
-            emits, records = emitted
-            emitted = (emits & at_leaf, records)
+            emits, records, weights = emitted
+            if weights is not None:
+                weights = jnp.where(at_leaf, weights, 0)
+            emitted = (emits & at_leaf, records, weights)
         return state, jnp.where(at_leaf, (node - 1) >> 1, node), emitted
 
 
-def walk(
-    tree, x: Float[Array, " d"], visitor: AbstractVisitor, metric: Minkowski
-) -> _State:
+def walk(tree, x: Query, visitor: AbstractVisitor, metric: Minkowski) -> _State:
     """Runs `visitor` over every leaf it does not prune, nearest subtrees first.
 
     The visitor sees `metric`'s powered distances in the tree's search coordinates,
@@ -295,7 +333,7 @@ def _rows(tree: PyTree, rows: Int[Array, "..."]) -> PyTree:
 
 def walk_many(
     tree,
-    x: Float[Array, "q d"],
+    x: Float[Array, "q d"] | Block,
     visitors: AbstractVisitor,
     metric: Minkowski,
     visitor_axis: int | None = 0,
@@ -303,12 +341,14 @@ def walk_many(
     sink: Sink | None = None,
     summed: bool = False,
     query_weights: Float[Array, " q"] | Int[Array, " q"] | None = None,
+    node_keys: Int[Array, " nodes"] | None = None,
 ) -> tuple[_State, Sink | None]:
     """`jax.vmap(walk, (None, 0, visitor_axis, None))(tree, x, visitors, metric)`, by
     lanes that
     take the next query as soon as theirs is done.
 
-    **Arguments:** `x` holds `q >= 1` queries; `visitors` is a batch of `q` visitors
+    **Arguments:** `x` holds `q >= 1` queries (points, or a batch of `Block`s);
+    `visitors` is a batch of `q` visitors
     (one per query, built with `jax.vmap`) or, with `visitor_axis=None`, one visitor
     for all queries (which spares the program the gathers of per-query fields).
 
@@ -316,12 +356,13 @@ def walk_many(
     are appended to it. With `summed=True`, the final states are summed over the
     queries instead of kept one per query (so the output does not grow with `q`;
     the visitor's initial state must be zero), each weighted by its entry of
-    `query_weights` when given.
+    `query_weights` when given. `node_keys` replace the nodes' lowest point indices
+    as the keys that `should_visit` sees.
 
     **Returns:** `(states, sink)`: the visitors' final states, batched along the
     queries (or their sum), and the sink (`None` without one).
     """
-    q = x.shape[0]
+    q = jax.tree.leaves(x)[0].shape[0]
     index_dtype = tree.leaf_indices.dtype
 
     def visitors_at(positions):
@@ -341,7 +382,7 @@ def walk_many(
     lanes = lane_count(
         sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(one_state))
     )
-    if q <= lanes and sink is None:
+    if q <= lanes and sink is None and node_keys is None:
         states = jax.vmap(walk, in_axes=(None, 0, visitor_axis, None))(
             tree, x, visitors, metric
         )
@@ -349,7 +390,7 @@ def walk_many(
             return states, None
         return _sum_over_queries(_weighted(states, query_weights)), None
     lanes = min(lanes, q)
-    steps = _Steps(tree, metric)
+    steps = _Steps(tree, metric, node_keys)
     move = jax.vmap(steps.move, in_axes=(0, visitor_axis, 0, 0, 0))
     visit = jax.vmap(steps.visit, in_axes=(0, visitor_axis, 0, 0))
 
@@ -366,7 +407,8 @@ def walk_many(
     points = jax.vmap(steps.search_point)(x)
     # Position `i` along the curve is row `order[i]` of the input.
     # Quantised in the root's box (the data's): no reductions over the queries.
-    codes = morton_codes(points, steps.tree.node_lo[0], steps.tree.node_hi[0])
+    anchors = points.anchor if isinstance(points, Block) else points
+    codes = morton_codes(anchors, steps.tree.node_lo[0], steps.tree.node_hi[0])
     order = argsort_keys(codes).astype(index_dtype)
     points = _rows(points, order)
     if visitor_axis is not None:

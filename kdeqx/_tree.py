@@ -331,7 +331,7 @@ class AbstractKDTree(eqx.Module):
         max_pairs = check_static_int("max_pairs", max_pairs, 1)
         metric = check_norm(p, eps)
         r = check_scalar_radius("r", r, self.dtype)
-        found = self._pairs(self._points(), r, max_pairs, metric, True)
+        found = self._self_pairs(r, max_pairs, metric)
         distances = _checked_capacity(
             found.distances,
             found.count,
@@ -505,6 +505,12 @@ class AbstractKDTree(eqx.Module):
         indices above the query's row), sorted, in `capacity` (`_pairs.Pairs`)."""
 
     @abc.abstractmethod
+    def _self_pairs(
+        self, r: Float[Array, ""], capacity: int, metric: Minkowski
+    ) -> _pairs_module.Pairs:
+        """The pairs of points `i < j` within `r`, sorted, in `capacity`."""
+
+    @abc.abstractmethod
     def _counts_within(
         self,
         x: Float[Array, "m d"],
@@ -628,6 +634,9 @@ class KDTree(AbstractKDTree):
 
     def _pairs(self, x, r, capacity, metric, above):
         return _pairs_module.pairs_within(self, x, r, capacity, metric, above)
+
+    def _self_pairs(self, r, capacity, metric):
+        return _pairs_module.self_pairs(self, r, capacity, metric)
 
     def _counts_within(self, x, radii, metric, x_weights, weights):
         return _pairs_module.counts_within(self, x, radii, metric, x_weights, weights)

@@ -22,8 +22,9 @@ def minkowski(diff, p):
 
 def all_distances(a, b, p, box=None):
     diff = np.asarray(a, np.float64)[:, None] - np.asarray(b, np.float64)[None]
-    if box is not None:
-        diff = diff - box * np.round(diff / box)
+    if box is not None:  # axes with a length <= 0 are not periodic
+        length = np.where(box > 0, box, 1.0)
+        diff = np.where(box > 0, diff - length * np.round(diff / length), diff)
     return minkowski(diff, p)
 
 
@@ -75,6 +76,27 @@ def test_query_pairs_in_a_periodic_box_and_approximately():
     assert reference.query_pairs(0.1 / (1 + eps)) <= found <= reference.query_pairs(0.1)
 
 
+@pytest.mark.x64
+@pytest.mark.parametrize("leaf_size", [1, 7, 33, 64])
+def test_query_pairs_with_any_leaf_size_on_hostile_data(leaf_size):
+    # Leaves walked as blocks, pairs carried as bitmasks of one or more words: a
+    # lattice (distances exactly at r), duplicates, in a periodic box, every norm.
+    rng = np.random.default_rng(leaf_size)
+    lattice = np.stack(np.meshgrid(*[np.arange(6) / 6] * 3), -1).reshape(-1, 3)
+    points = np.concatenate([lattice, lattice[:40], rng.random((150, 3))])
+    box = np.array([1.0, 1.0, 0.0])
+    for p, period in [(1.0, None), (2.0, box), (np.inf, box), (3.0, None)]:
+        tree = kdeqx.KDTree(points, leaf_size=leaf_size, box=period)
+        boxsize = None if period is None else [1.0, 1.0, 10.0]
+        reference = cKDTree(points, boxsize=boxsize)
+        pairs, distances, count = pairs_of(tree, 1 / 6, 20000, p)
+        expected = reference.query_pairs(1 / 6, p=p, output_type="ndarray")
+        expected = expected[np.lexsort((expected[:, 1], expected[:, 0]))]
+        np.testing.assert_array_equal(kdeqx.pair_array(pairs, count), expected)
+        true = all_distances(points, points, p, period)[expected[:, 0], expected[:, 1]]
+        np.testing.assert_allclose(distances[: len(expected)], true, atol=1e-12)
+
+
 def test_query_pairs_overflow_keeps_the_count_and_can_raise():
     points, _ = two_sets(np.float32)
     tree = kdeqx.KDTree(points)
@@ -83,6 +105,10 @@ def test_query_pairs_overflow_keeps_the_count_and_can_raise():
     assert int(count) == len(expected) > 10
     kept = {tuple(pair) for pair in np.asarray(pairs).tolist()}
     assert len(kept) == 10 and kept <= expected
+    kept = np.asarray(pairs, np.int64)
+    assert np.all(np.diff(kept[:, 0] * N + kept[:, 1]) > 0)  # in order
+    true = all_distances(points, points, 2.0)[kept[:, 0], kept[:, 1]]
+    np.testing.assert_allclose(distances, true, rtol=1e-6)
     with pytest.raises(ValueError, match="cut off"):
         kdeqx.pair_set(pairs, count)
     with pytest.raises(eqx.EquinoxRuntimeError, match="max_pairs=10"):

@@ -1,0 +1,45 @@
+"""Bitmask helpers (`kdeqx._bits`) against plain numpy."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from kdeqx._bits import bitmasks, laid_out, nth_set_bit
+
+
+def test_bitmasks_pack_flags_by_column():
+    rng = np.random.default_rng(0)
+    flags = rng.random((5, 70)) < 0.4
+    words = np.asarray(bitmasks(jnp.asarray(flags)))
+    assert words.shape == (5, 3) and words.dtype == np.uint32
+    unpacked = (words[:, :, None] >> np.arange(32, dtype=np.uint32)) & 1
+    np.testing.assert_array_equal(unpacked.reshape(5, 96)[:, :70], flags)
+    assert not unpacked.reshape(5, 96)[:, 70:].any()
+
+
+def test_nth_set_bit_finds_every_set_bit():
+    rng = np.random.default_rng(1)
+    words = np.concatenate(
+        [rng.integers(0, 2**32, 200, dtype=np.uint32), [0xFFFFFFFF, 1, 2**31]]
+    ).astype(np.uint32)
+    for word in words:
+        positions = [b for b in range(32) if (int(word) >> b) & 1]
+        found = nth_set_bit(
+            jnp.full(len(positions), word, jnp.uint32), jnp.arange(len(positions))
+        )
+        np.testing.assert_array_equal(found, positions)
+
+
+def test_laid_out_gives_each_output_its_group_and_rank():
+    rng = np.random.default_rng(2)
+    for _ in range(50):
+        counts = rng.integers(1, 5, rng.integers(1, 30))
+        counts[rng.integers(len(counts)) :] = 0  # the groups with outputs first
+        total = int(counts.sum())
+        size = total + int(rng.integers(0, 4))
+        if size == 0:
+            continue
+        group, rank = laid_out(jnp.asarray(counts, jnp.int32), size)
+        expected_group = np.repeat(np.arange(len(counts)), counts)
+        expected_rank = np.concatenate([np.arange(c) for c in counts])
+        np.testing.assert_array_equal(np.asarray(group)[:total], expected_group)
+        np.testing.assert_array_equal(np.asarray(rank)[:total], expected_rank)
