@@ -161,9 +161,8 @@ def found_distances(
     """
     measured = metric.from_power(d2) / lax.stop_gradient(tree.scale)
     measured = jnp.where(far.far[..., None], far.distance[..., None], measured)
-    return _differentiable(
-        metric.p, jnp.where(indices < tree.n, measured, jnp.inf), tree, x, indices
-    )
+    measured = jnp.where(indices < tree.n, measured, jnp.inf)
+    return measured_distances(tree, x, indices, measured, metric.p)
 
 
 def measured_distances(
