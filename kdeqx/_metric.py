@@ -41,7 +41,8 @@ class Block(eqx.Module):
     """A block of points walked as one query (a leaf of a tree, in its search
     coordinates): the walk bounds their distances to a box by their bounding box's,
     and a leaf visit measures every point of the block to every point of the leaf.
-    Padding rows may hold any finite value; the visitor masks them.
+    Padding rows may hold any value the visitor can tell from a point (`inf` puts
+    them beyond every radius: their distances are `inf` or NaN).
     """
 
     points: Float[Array, "*batch size d"]

@@ -151,7 +151,6 @@ class _LeafPairs(AbstractVisitor):
 
     r2: Float[Array, ""]
     leaf: Int[Array, ""]
-    valid: Bool[Array, " size"]
 
     def init(self) -> Int[Array, ""]:
         return jnp.zeros((), jnp.int8)
@@ -165,9 +164,9 @@ class _LeafPairs(AbstractVisitor):
     def leaf_records(self, d2, indices, leaf):
         size = d2.shape[0]
         slot = jnp.arange(size)
-        later = (leaf > self.leaf) | ((leaf == self.leaf) & (slot > slot[:, None]))
-        inside = (d2 <= self.r2) & self.valid[:, None] & later
-        masks = bitmasks(inside)
+        # Slot b of the leaf lies after slot a of this one: one comparison.
+        later = slot - slot[:, None] > (self.leaf - leaf) * size
+        masks = bitmasks((d2 <= self.r2) & later)
         found = jnp.sum(set_bit_count(masks), axis=1, dtype=jnp.int32)
         rows = (self.leaf * size + slot).astype(indices.dtype)
         leaves = jnp.broadcast_to(leaf.astype(indices.dtype), rows.shape)
@@ -223,15 +222,18 @@ def self_pairs(
     searched = lax.stop_gradient(tree)
     leaf_count = tree.num_leaves
     first_leaf = leaf_count - 1
+    # Padding slots at infinity: they pair with nothing (their distances are inf or
+    # NaN, never within r).
+    padding = (searched.leaf_indices == n)[:, None]
+    points = jnp.where(padding, jnp.inf, searched.leaf_points)
     blocks = Block(
-        searched.leaf_points.reshape(leaf_count, size, -1),
+        points.reshape(leaf_count, size, -1),
         searched.node_lo[first_leaf:],
         searched.node_hi[first_leaf:],
     )
-    valid = (searched.leaf_indices < n).reshape(leaf_count, size)
     r2 = search_threshold(tree, r, metric)
     leaves = jnp.arange(leaf_count, dtype=tree.leaf_indices.dtype)
-    visitors = jax.vmap(lambda leaf, valid: _LeafPairs(r2, leaf, valid))(leaves, valid)
+    visitors = jax.vmap(lambda leaf: _LeafPairs(r2, leaf))(leaves)
     words = -(-size // WORD)
     slot_dtype = tree.leaf_indices.dtype
     sink = Sink(
