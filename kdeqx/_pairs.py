@@ -5,6 +5,8 @@ Both walk a tree once per query point with the lanes of `kdeqx._traverse.walk_ma
 a pair search appends every pair it finds to a `Sink` (so its memory is the capacity
 the caller asks for, however the pairs spread over the queries), and a pair count
 sums its queries' counts as the lanes finish (so nothing grows with the queries).
+A tree's pairs with itself (`self_pairs`) are walked once per leaf instead, each
+leaf a `Block` query, with the pairs carried as bitmasks.
 """
 
 from typing import TYPE_CHECKING
