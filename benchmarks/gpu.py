@@ -1,6 +1,7 @@
 """The GPU check: the seed user's size on one accelerator, against brute force there.
 
     python benchmarks/gpu.py [--n 1.4e7] [--queries 1e6] [--k 8] [--small-n 1e6]
+        [--series-n 1024] [--pairs-n 1e6]
 
 Builds a tree over n uniform 3-D float32 points, answers Q queries, and times both
 beside a chunked brute-force kNN (distance matrix + `lax.top_k`) on the same device,
@@ -9,7 +10,8 @@ and kNN with k = 128, each against brute force on a subset. Prints the lane coun
 backend chose. Last, `kdeqx.OperatorSeries` in float64 with a driven Hamiltonian
 H0 + cos(t) H1: the factored path against the general one at n = 64, K = 20, then
 n = `--series-n` (1024), K = 40 against K commutators with the constant H0 on the
-device. Run it once per device session and paste the output into
+device. Then `query_pairs` at `--pairs-n` points, about 10 neighbours each, its count
+checked against `count_neighbors`. Run it once per device session and paste the output into
 `benchmarks/RESULTS.md`. (jaxkd is compared only where it is installed.)
 """
 
@@ -52,6 +54,7 @@ def main():
     parser.add_argument("--brute-queries", type=float, default=1e4)
     parser.add_argument("--small-n", type=float, default=1e6)
     parser.add_argument("--series-n", type=int, default=1024)
+    parser.add_argument("--pairs-n", type=float, default=1e6)
     args = parser.parse_args()
     n, q, k = int(args.n), int(args.queries), args.k
     device = jax.devices()[0]
@@ -97,7 +100,29 @@ def main():
     except ImportError:
         print("jaxkd: not installed, not compared")
 
+    pairs_on_device(int(args.pairs_n))
     operator_series(args.series_n)
+
+
+def pairs_on_device(n):
+    """`query_pairs` at about 10 neighbours per point (the leaf-by-leaf walk), its
+    count checked against `count_neighbors` of the tree with itself, which counts
+    every ordered pair and each point with itself: `2 * pairs + n`."""
+    points = jax.random.uniform(jax.random.key(17), (n, 3), jnp.float32)
+    r = float((10 / (n * 4 / 3 * np.pi)) ** (1 / 3))
+    tree = eqx.filter_jit(kdeqx.KDTree)(points)
+    capacity = int(6 * n)
+    pairs = eqx.filter_jit(lambda tree: tree.query_pairs(r, capacity))
+    start = time.perf_counter()
+    jax.block_until_ready(pairs(tree))
+    first = time.perf_counter() - start
+    (_, _, count), steady = timed(lambda: pairs(tree))
+    ordered = eqx.filter_jit(lambda tree: tree.count_neighbors(tree, r))(tree)
+    print(
+        f"query_pairs n={n:,} r={r:.4f}: first call {first:.3f} s, steady "
+        f"{steady:.4f} s, {int(count):,} pairs; count_neighbors agrees: "
+        f"{2 * int(count) + n == int(ordered)}"
+    )
 
 
 def against_brute_force(n, q, d, k, brute_queries):
