@@ -11,8 +11,8 @@ backend chose. Last, `kdeqx.OperatorSeries` in float64 with a driven Hamiltonian
 H0 + cos(t) H1: the factored path against the general one at n = 64, K = 20, then
 n = `--series-n` (1024), K = 40 against K commutators with the constant H0 on the
 device. Then `query_pairs` at `--pairs-n` points, about 10 neighbours each, its count
-checked against `count_neighbors`. Run it once per device session and paste the output into
-`benchmarks/RESULTS.md`. (jaxkd is compared only where it is installed.)
+checked against `count_neighbors`. Run it once per device session and paste the
+output into `benchmarks/RESULTS.md`. (jaxkd is compared only where it is installed.)
 """
 
 import argparse
