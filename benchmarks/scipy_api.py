@@ -14,6 +14,8 @@ single-threaded in scipy); pykdtree joins where it has the option (`eps`).
     (5 pairs `i < j` per point); kdeqx's sorted pairs against scipy's
     `output_type="ndarray"` (its fastest, unsorted), the same sorted by numpy (kdeqx's
     output) and its default set.
+- `self_matrix`: `sparse_distance_matrix` of that tree with itself (scipy's idiom for
+    one set's sparse matrix), against scipy's `coo_matrix` and `ndarray` outputs.
 - `query p=1`, `query p=inf`: n = 1e6, Q = 1e5, k = 8.
 - `query eps=0.5`: the same, Euclidean, approximate.
 """
@@ -69,6 +71,35 @@ def query_pairs_task(rng):
     }, note
 
 
+def self_matrix_task(rng):
+    n = 100_000
+    points = rng.random((n, 3)).astype(np.float32)
+    r = float((10 / (n * 4 / 3 * np.pi)) ** (1 / 3))
+    tree, reference = kdeqx.KDTree(points), cKDTree(points)
+    expected = reference.sparse_distance_matrix(reference, r, output_type="coo_matrix")
+    capacity = int(1.2 * expected.nnz)
+    matrix = eqx.filter_jit(lambda t: t.sparse_distance_matrix(t, r, capacity))
+    ours, count = matrix(tree)
+    ours = kdeqx.to_scipy_sparse(ours, count).tocsr()
+    expected = expected.tocsr()
+    same = int(count) == expected.nnz and ((ours != 0) != (expected != 0)).nnz == 0
+    # (ours has explicit zeros on the diagonal, as scipy; `!= 0` drops both alike.)
+    gap = abs(ours - expected).max()
+    note = (
+        f" | {expected.nnz:,} entries, r = {r:.4f}, same entries as scipy: {same}, "
+        f"max |kdeqx - scipy| {gap:.1e}"
+    )
+    return {
+        "kdeqx": lambda: matrix(tree),
+        "scipy coo": lambda: reference.sparse_distance_matrix(
+            reference, r, output_type="coo_matrix"
+        ),
+        "scipy ndarray": lambda: reference.sparse_distance_matrix(
+            reference, r, output_type="ndarray"
+        ),
+    }, note
+
+
 def _sorted_pairs(reference, r):
     """scipy's pairs in kdeqx's order (by `i`, then `j`): numpy's sort of packed
     keys, its fastest."""
@@ -108,6 +139,7 @@ def query_task(rng, *, p=2.0, eps=0.0):
 TASKS = {
     "count_neighbors": lambda rng, args: count_neighbors_task(rng, args.rmax),
     "query_pairs": lambda rng, args: query_pairs_task(rng),
+    "self_matrix": lambda rng, args: self_matrix_task(rng),
     "query p=1": lambda rng, args: query_task(rng, p=1.0),
     "query p=inf": lambda rng, args: query_task(rng, p=np.inf),
     "query eps=0.5": lambda rng, args: query_task(rng, eps=0.5),

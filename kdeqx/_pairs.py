@@ -217,10 +217,54 @@ def self_pairs(
     walk and its pruning are paid per leaf rather than per point, and a visit
     measures a whole leaf against a whole leaf. The pairs travel as bitmasks.
     """
-    n, size = tree.n, tree.leaf_size
+    n = tree.n
     index_dtype = index_dtype_for(n + 1)
     if n < 2:
         return no_pairs(n, n, capacity, tree.dtype, index_dtype)
+    rows, cols, count = _pairs_in_order_met(tree, r, capacity, metric)
+    rows, cols = sort_index_pairs(rows, cols)
+    return Pairs(rows, cols, _distances_within(tree, rows, cols, metric), count)
+
+
+@eqx.filter_jit
+def self_matrix(
+    tree: "KDTree", r: Float[Array, ""], capacity: int, metric: Minkowski
+) -> Pairs:
+    """Every pair `(i, j)` of the tree's points within `r`, both ways and `i = j`
+    included (the sparse distance matrix of the tree with itself), sorted: the pairs
+    `i < j` of `self_pairs`' walk, mirrored, and the diagonal."""
+    n = tree.n
+    index_dtype = index_dtype_for(n + 1)
+    if n == 0:
+        return no_pairs(n, n, capacity, tree.dtype, index_dtype)
+    # `2 * half + n` entries fill the capacity; more pairs overflow it anyway.
+    half = max(1, (capacity - n + 1) // 2)
+    if n < 2:
+        rows = cols = jnp.zeros(2 * half, index_dtype) + n
+        count = jnp.zeros((), index_dtype)
+    else:
+        rows, cols, count = _pairs_in_order_met(tree, r, half, metric)
+    diagonal = jnp.arange(n, dtype=index_dtype)
+    rows, cols = (
+        jnp.concatenate([rows, cols, diagonal]),
+        jnp.concatenate([cols, rows, diagonal]),
+    )
+    rows, cols = (a[:capacity] for a in sort_index_pairs(rows, cols))
+    if rows.shape[0] < capacity:  # the whole matrix fits with room to spare
+        rows, cols = (
+            jnp.pad(a, (0, capacity - a.shape[0]), constant_values=n)
+            for a in (rows, cols)
+        )
+    most = jnp.iinfo(index_dtype).max
+    count = jnp.minimum(count, (most - n) // 2) * 2 + n
+    return Pairs(rows, cols, _distances_within(tree, rows, cols, metric), count)
+
+
+def _pairs_in_order_met(tree: "KDTree", r, capacity: int, metric: Minkowski):
+    """The first `capacity` pairs `(i, j)`, `i < j`, that the leaf-by-leaf walk
+    meets, unsorted, padded with `(n, n)`, and how many pairs there are (`n >= 2`)."""
+    n, size = tree.n, tree.leaf_size
+    index_dtype = index_dtype_for(n + 1)
     searched = lax.stop_gradient(tree)
     leaf_count = tree.num_leaves
     first_leaf = leaf_count - 1
@@ -255,9 +299,7 @@ def self_pairs(
     i, j = rows_at(searched.leaf_indices, a), rows_at(searched.leaf_indices, b)
     rows = jnp.where(found, jnp.minimum(i, j), n).astype(index_dtype)
     cols = jnp.where(found, jnp.maximum(i, j), n).astype(index_dtype)
-    rows, cols = sort_index_pairs(rows, cols)
-    distances = _distances_within(tree, rows, cols, metric)
-    return Pairs(rows, cols, distances, filled.written)
+    return rows, cols, filled.written
 
 
 def _distances_within(tree: "KDTree", rows, cols, metric: Minkowski):

@@ -189,6 +189,9 @@ class ShardedKDTree(AbstractKDTree):
     def _self_pairs(self, r, capacity, metric):
         return self._pairs(self._points(), r, capacity, metric, True)
 
+    def _self_matrix(self, r, capacity, metric):
+        return self._pairs(self._points(), r, capacity, metric, False)
+
     def _counts_within(self, x, radii, metric, x_weights, weights):
         return _merged_counts(self, x, radii, metric, x_weights, weights)
 

@@ -376,9 +376,16 @@ class AbstractKDTree(eqx.Module):
         max_entries = check_static_int("max_entries", max_entries, 1)
         metric = check_norm(p, 0.0)
         max_distance = check_scalar_radius("max_distance", max_distance, other.dtype)
-        found = other._pairs(
-            self._points().astype(other.dtype), max_distance, max_entries, metric, False
-        )
+        if other is self:  # scipy's idiom for one set's matrix: its pairs, mirrored
+            found = self._self_matrix(max_distance, max_entries, metric)
+        else:
+            found = other._pairs(
+                self._points().astype(other.dtype),
+                max_distance,
+                max_entries,
+                metric,
+                False,
+            )
         distances = _checked_capacity(
             found.distances,
             found.count,
@@ -511,6 +518,13 @@ class AbstractKDTree(eqx.Module):
         """The pairs of points `i < j` within `r`, sorted, in `capacity`."""
 
     @abc.abstractmethod
+    def _self_matrix(
+        self, r: Float[Array, ""], capacity: int, metric: Minkowski
+    ) -> _pairs_module.Pairs:
+        """Every pair of points `(i, j)` within `r`, both ways and `i = j` included,
+        sorted, in `capacity`."""
+
+    @abc.abstractmethod
     def _counts_within(
         self,
         x: Float[Array, "m d"],
@@ -637,6 +651,9 @@ class KDTree(AbstractKDTree):
 
     def _self_pairs(self, r, capacity, metric):
         return _pairs_module.self_pairs(self, r, capacity, metric)
+
+    def _self_matrix(self, r, capacity, metric):
+        return _pairs_module.self_matrix(self, r, capacity, metric)
 
     def _counts_within(self, x, radii, metric, x_weights, weights):
         return _pairs_module.counts_within(self, x, radii, metric, x_weights, weights)

@@ -162,6 +162,57 @@ def test_sparse_distance_matrix_matches_scipy(p, dtype):
 
 
 @pytest.mark.x64
+def test_sparse_distance_matrix_of_a_tree_with_itself():
+    # `tree.sparse_distance_matrix(tree, r)` (scipy's idiom for one set) takes the
+    # pairs of `query_pairs`' walk, mirrored, and the diagonal.
+    a, _ = two_sets(np.float64, duplicates=True)
+    box = np.array([1.0, 1.0, 0.0])
+    for p, period, leaf_size in [(2.0, None, 32), (1.0, box, 8), (np.inf, box, 40)]:
+        tree = kdeqx.KDTree(a, box=period, leaf_size=leaf_size)
+        matrix, count = eqx.filter_jit(
+            lambda t: t.sparse_distance_matrix(t, 0.15, 6000, p=p)
+        )(tree)
+        boxsize = None if period is None else [1.0, 1.0, 10.0]
+        reference = cKDTree(a, boxsize=boxsize)
+        expected = reference.sparse_distance_matrix(
+            reference, 0.15, p=p, output_type="coo_matrix"
+        )
+        ours = kdeqx.to_scipy_sparse(matrix, count)
+        assert ours.nnz == expected.nnz == int(count)
+        on_diagonal = ours.row == ours.col
+        assert set(ours.row[on_diagonal].tolist()) == set(range(N))
+        np.testing.assert_allclose(ours.toarray(), expected.toarray(), atol=1e-12)
+        keys = ours.row.astype(np.int64) * N + ours.col
+        assert np.all(np.diff(keys) > 0)  # sorted, no repeats
+    # Overflow: the true count, and the entries kept are real ones, in order.
+    tree = kdeqx.KDTree(a)
+    matrix, count = tree.sparse_distance_matrix(tree, 0.15, 500)
+    reference = cKDTree(a)
+    full = reference.sparse_distance_matrix(reference, 0.15, output_type="dict")
+    assert int(count) == len(full) > 500
+    kept = np.asarray(matrix.indices, np.int64)
+    assert np.all(np.diff(kept[:, 0] * N + kept[:, 1]) > 0)
+    for (i, j), d in zip(kept.tolist(), np.asarray(matrix.data).tolist()):
+        assert abs(full.get((i, j), np.inf) - d) < 1e-12
+
+    def total(points):
+        tree = kdeqx.KDTree(points)
+        return tree.sparse_distance_matrix(tree, 0.15, 6000)[0].data.sum()
+
+    # Each pair counts twice; the diagonal's derivatives are zero, not NaN.
+    grad = jax.grad(total)(a)
+    pairs, _, found = kdeqx.KDTree(a).query_pairs(0.15, 6000)
+    pairs = np.asarray(pairs)[: int(found)]
+    diff = a[pairs[:, 0]] - a[pairs[:, 1]]
+    norms = np.linalg.norm(diff, axis=-1, keepdims=True)
+    unit = np.where(norms > 0, diff / np.where(norms > 0, norms, 1), 0)
+    expected = np.zeros_like(a)
+    np.add.at(expected, pairs[:, 0], 2 * unit)
+    np.add.at(expected, pairs[:, 1], -2 * unit)
+    np.testing.assert_allclose(grad, expected, atol=1e-9)
+
+
+@pytest.mark.x64
 @pytest.mark.parametrize(
     "p, periodic",
     [(1.0, False), (1.5, True), (2.0, False), (2.0, True), (np.inf, True)],
