@@ -141,8 +141,10 @@ def test_taylor_expansion_keeps_the_factored_form_exactly():
 
 
 @pytest.mark.x64
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("terms", [1, 2, 4])
+@pytest.mark.parametrize(
+    "dtype, terms",
+    [(jnp.float64, terms) for terms in (1, 2, 4)] + [(jnp.float32, 2)],
+)
 def test_factored_path_equals_general_path(dtype, terms):
     """To 1e-12 in float64. In float32 high orders lose digits to cancellation in the
     Cauchy product on either path, so there each path is held to the float64 result:
