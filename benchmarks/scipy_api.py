@@ -53,11 +53,16 @@ def count_neighbors_task(rng, rmax):
     }, note
 
 
-def query_pairs_task(rng):
+def _ten_neighbours(rng):
+    """1e5 uniform points, the radius that holds about 10 of them, and both trees."""
     n = 100_000
     points = rng.random((n, 3)).astype(np.float32)
     r = float((10 / (n * 4 / 3 * np.pi)) ** (1 / 3))
-    tree, reference = kdeqx.KDTree(points), cKDTree(points)
+    return kdeqx.KDTree(points), cKDTree(points), r
+
+
+def query_pairs_task(rng):
+    tree, reference, r = _ten_neighbours(rng)
     expected = reference.query_pairs(r, output_type="ndarray")
     pairs = eqx.filter_jit(lambda t: t.query_pairs(r, int(1.2 * len(expected))))
     found, _, count = pairs(tree)
@@ -72,10 +77,7 @@ def query_pairs_task(rng):
 
 
 def self_matrix_task(rng):
-    n = 100_000
-    points = rng.random((n, 3)).astype(np.float32)
-    r = float((10 / (n * 4 / 3 * np.pi)) ** (1 / 3))
-    tree, reference = kdeqx.KDTree(points), cKDTree(points)
+    tree, reference, r = _ten_neighbours(rng)
     expected = reference.sparse_distance_matrix(reference, r, output_type="coo_matrix")
     capacity = int(1.2 * expected.nnz)
     matrix = eqx.filter_jit(lambda t: t.sparse_distance_matrix(t, r, capacity))

