@@ -9,6 +9,11 @@ from ._convert import (
     pair_set as pair_set,
     to_scipy_sparse as to_scipy_sparse,
 )
+from ._graph import (
+    knn_graph as knn_graph,
+    NeighborGraph as NeighborGraph,
+    radius_graph as radius_graph,
+)
 from ._interpolate import Interpolator as Interpolator
 from ._sharded import ShardedKDTree as ShardedKDTree
 from ._tree import AbstractKDTree as AbstractKDTree, KDTree as KDTree

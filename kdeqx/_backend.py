@@ -238,6 +238,43 @@ def sort_index_pairs_reference(rows, cols):
     return rows, cols
 
 
+def sort_edges(
+    senders: Int[Array, " m"],
+    receivers: Int[Array, " m"],
+    images: Int[Array, " m"],
+    nodes: int,
+    image_count: int,
+) -> tuple[Int[Array, " m"], Int[Array, " m"], Int[Array, " m"]]:
+    """Sorts edges by sender, then receiver, then image (`0 <= senders, receivers <
+    nodes`, `0 <= images < image_count`): one sort of mixed-radix uint64 keys where
+    they fit, as `sort_index_pairs`."""
+    if nodes * nodes * image_count >= 2**64:
+        return sort_edges_reference(senders, receivers, images)
+    with enable_x64_locally():
+        wide = [a.astype(jnp.uint64) for a in (senders, receivers, images)]
+        radix = jnp.uint64(nodes), jnp.uint64(image_count)
+        keys = lax.sort((wide[0] * radix[0] + wide[1]) * radix[1] + wide[2])
+        image, pair = keys % radix[1], keys // radix[1]
+        return (
+            (pair // radix[0]).astype(senders.dtype),
+            (pair % radix[0]).astype(receivers.dtype),
+            image.astype(images.dtype),
+        )
+
+
+def sort_edges_reference(senders, receivers, images):
+    senders, receivers, images = lax.sort((senders, receivers, images), num_keys=3)
+    return senders, receivers, images
+
+
+def sort_edges_in_rows(
+    receivers: Int[Array, "n k"], images: Int[Array, "n k"]
+) -> tuple[Int[Array, "n k"], Int[Array, "n k"]]:
+    """Each row sorted by receiver, then image."""
+    receivers, images = lax.sort((receivers, images), dimension=1, num_keys=2)
+    return receivers, images
+
+
 def sort_pairs_reference(d2, indices):
     d2, indices = lax.sort((d2, indices), dimension=d2.ndim - 1, num_keys=2)
     return d2, indices

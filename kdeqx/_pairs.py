@@ -175,10 +175,11 @@ class _LeafPairs(AbstractVisitor):
         return found > 0, (rows, leaves, masks), found
 
 
-def _unpacked(slots, leaves, masks, capacity: int, leaf_size: int):
+def unpacked(slots, leaves, masks, capacity: int, leaf_size: int):
     """The first `capacity` pairs of slots `(a, b)` that records `(a, leaf, masks)`
-    stand for, in the records' order, and which of the outputs are pairs. The
-    records that hold pairs come first (the sink's)."""
+    stand for, in the records' order: `(record, a, b, found)`, each pair's record
+    and which of the outputs are pairs. The records that hold pairs come first (the
+    sink's)."""
     word_counts = set_bit_count(masks)
     counts = jnp.sum(word_counts, axis=1)
     record, rank = laid_out(counts, capacity)
@@ -192,7 +193,7 @@ def _unpacked(slots, leaves, masks, capacity: int, leaf_size: int):
     bit = nth_set_bit(masks[record, word], rank)
     a = slots[record]
     b = leaves[record] * leaf_size + (word * WORD + bit).astype(leaves.dtype)
-    return a, b, jnp.arange(capacity) < jnp.sum(counts)
+    return record, a, b, jnp.arange(capacity) < jnp.sum(counts)
 
 
 def _last_leaves(tree: "KDTree") -> Int[Array, " nodes"]:
@@ -290,7 +291,7 @@ def _pairs_in_order_met(tree: "KDTree", r, capacity: int, metric: Minkowski):
     )
     assert filled is not None
     slots, leaves, masks = filled.records
-    a, b, found = _unpacked(slots, leaves, masks, capacity, size)
+    _, a, b, found = unpacked(slots, leaves, masks, capacity, size)
     i, j = rows_at(searched.leaf_indices, a), rows_at(searched.leaf_indices, b)
     rows = jnp.where(found, jnp.minimum(i, j), n).astype(index_dtype)
     cols = jnp.where(found, jnp.maximum(i, j), n).astype(index_dtype)

@@ -255,3 +255,16 @@ def test_sort_pairs_sorts_rows_lexicographically(dtype):
         expected = sorted(zip(d2[row], indices[row]))
         np.testing.assert_array_equal(ours[0][row], [e[0] for e in expected])
         np.testing.assert_array_equal(ours[1][row], [e[1] for e in expected])
+
+
+def test_sort_edges_packs_three_keys_as_the_reference_sorts():
+    rng = np.random.default_rng(0)
+    nodes, images = 1000, 27
+    edges = [
+        jnp.asarray(rng.integers(0, top, 5000), jnp.int32)
+        for top in (nodes, nodes, images)
+    ]
+    ours = jax.jit(_backend.sort_edges, static_argnums=(3, 4))(*edges, nodes, images)
+    reference = _backend.sort_edges_reference(*edges)
+    for a, b in zip(ours, reference, strict=True):
+        np.testing.assert_array_equal(a, b)

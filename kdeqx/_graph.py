@@ -1,0 +1,461 @@
+"""Neighbour graphs: every pair of points within a cutoff, or each point's k nearest,
+in free space or a periodic cell of any shape, for batches of separate systems, as
+fixed-capacity edge lists (matscipy's `i, j, S` convention) for message passing and
+molecular dynamics.
+
+Both graphs search a tree of the points moved into the cell. A radius graph walks
+each leaf of it, and each image of the leaf that the cutoff reaches, as one `Block`
+query (pairs travel as bitmasks, as in `query_pairs`); a kNN graph queries each
+image of each point, the far ones bounded by what the point's own cell found. A batch
+of systems becomes one tree: each system is moved along an extra axis, far enough
+from the others that no edge joins two of them.
+"""
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _knn
+from ._backend import sort_edges, sort_edges_in_rows
+from ._bits import bitmasks, set_bit_count, WORD
+from ._cell import (
+    as_cell,
+    as_lattice,
+    Cell,
+    checked_reach,
+    first_nonzero_positive,
+    image_counts,
+    shift_table,
+)
+from ._custom_types import Array, ArrayLike, Bool, Float, Int
+from ._metric import Block, EUCLIDEAN, norm_without_overflow
+from ._pairs import unpacked
+from ._search import rows_at, search_threshold
+from ._traverse import AbstractVisitor, Sink, walk_many
+from ._tree import check_points, KDTree
+from ._validate import (
+    as_float_array,
+    check_finite,
+    check_positive,
+    check_static_int,
+    index_dtype_for,
+)
+
+
+class NeighborGraph(eqx.Module):
+    """Directed edges `senders[e] -> receivers[e]` between points within a cutoff
+    (or to each point's nearest), in a fixed capacity.
+
+    The edge vector is `points[receivers] - points[senders] + shifts @ cell`
+    (matscipy's `i, j, S`): `shifts` counts the whole cell vectors that carry the
+    receiver to the image the sender sees (zero without a cell). Edges are ordered by
+    sender, then receiver, then shift. Entries past the edges found are padding:
+    `senders == receivers == n`, `shifts == 0`, distance `inf`.
+
+    `count` is the true number of edges, which may exceed the capacity (`overflow`;
+    saturating at the largest value of its dtype); the edges kept are then as many
+    as fit, in order, of those the search met first. `distances` are
+    differentiable with respect to the points and the cell (zero, not NaN,
+    gradients at zero length); so is `edge_vectors`.
+    """
+
+    senders: Int[Array, " edges"]
+    receivers: Int[Array, " edges"]
+    shifts: Int[Array, "edges d"]
+    distances: Float[Array, " edges"]
+    count: Int[Array, ""]
+    overflow: Bool[Array, ""]
+
+    @property
+    def max_edges(self) -> int:
+        return self.senders.shape[-1]
+
+    def edge_vectors(
+        self, points: ArrayLike, cell: ArrayLike | None = None
+    ) -> Float[Array, "edges d"]:
+        """`points[receivers] - points[senders] + shifts @ cell` (zero at padding),
+        for the points and cell of this step: the graph's integers stay valid while
+        no pair crosses the cutoff (see `NeighborList`)."""
+        points = as_float_array("points", points)
+        return _edge_vectors(self.senders, self.receivers, self.shifts, points, cell)
+
+    def edge_mask(self) -> Bool[Array, " edges"]:
+        """Which entries are edges (not padding)."""
+        return self.distances < jnp.inf
+
+
+def _edge_vectors(senders, receivers, shifts, points, cell):
+    n, d = points.shape
+    valid = senders < n
+    vectors = rows_at(points, receivers) - rows_at(points, senders)
+    lattice = as_lattice(cell, d, points.dtype)
+    if lattice is not None:
+        vectors = vectors + shifts.astype(points.dtype) @ lattice
+    return jnp.where(valid[:, None], vectors, 0)
+
+
+def _lengths(vectors: Float[Array, "edges d"], valid: Bool[Array, " edges"]):
+    return jnp.where(valid, norm_without_overflow(vectors), jnp.inf)
+
+
+def radius_graph(
+    points: ArrayLike,
+    r: ArrayLike,
+    max_edges: int,
+    *,
+    cell: ArrayLike | None = None,
+    pbc: bool | tuple[bool, ...] = True,
+    batch: ArrayLike | None = None,
+    self_loops: bool = False,
+    half: bool = False,
+    images: int | tuple[int, ...] | None = None,
+    leaf_size: int = 32,
+) -> NeighborGraph:
+    """Every pair of points within distance `r` (Euclidean), as a `NeighborGraph`.
+
+    **Arguments:**
+
+    - `points`: shape `(n, d)`, finite floats. In a cell they may lie anywhere: each
+        is wrapped into the cell along its periodic axes, and the shifts account for
+        it (edge vectors use the points as given).
+    - `r`: the cutoff, a finite scalar `> 0`; edges have `distance <= r`.
+    - `max_edges`: the capacity (static int `>= 1`). More edges than that are
+        counted (`count`, `overflow`), never silently lost.
+    - `cell`: `None` (free space), the lengths of an orthorhombic box `(d,)`, or a
+        triclinic cell `(d, d)` whose rows are the cell vectors. It must span a
+        volume (also along non-periodic axes).
+    - `pbc`: which cell vectors are periodic, a bool or one per axis (ignored
+        without a cell).
+    - `batch`: segment ids of shape `(n,)` (ints, for example `0 .. B - 1` in any
+        order): edges join only points of one segment, so a batch of systems is one
+        call. In float32 the ids must stay below `2**24`.
+    - `self_loops`: include each `(i, i)` with zero shift. A point's other images
+        within `r` are neighbours and always included.
+    - `half`: each pair once: `sender < receiver`, or for a point and its own image,
+        the shift whose first nonzero component is positive.
+    - `images`: how many cells to search on either side along each periodic axis
+        (static; an int or one per axis). By default the fewest that hold every
+        image within `r` (`ceil(r / height)`, the height being the distance between
+        the cell's faces) for a concrete `r` and `cell`, and 1 when either is traced
+        (under `jit` or `grad`). Too few raises an error (eagerly, or
+        `eqx.error_if` under `jit`), never a missing edge.
+    - `leaf_size`: the search tree's leaf size (tuning; answers do not depend on it).
+
+    **Returns:** a `NeighborGraph` with `max_edges` entries, edges in both
+    directions unless `half`.
+    """
+    points = check_points("points", points)
+    n, d = points.shape
+    max_edges = check_static_int("max_edges", max_edges, 1)
+    r = check_positive(
+        "r", check_finite("r", as_float_array("r", r, points.dtype)), points.dtype
+    )
+    cell_ = as_cell(cell, pbc, d, points.dtype)
+    counts = image_counts(cell_, r, images)
+    segment = _check_batch(batch, n)
+    return _radius_graph(
+        points, r, cell_, segment, max_edges, counts, self_loops, half, leaf_size
+    )
+
+
+def knn_graph(
+    points: ArrayLike,
+    k: int,
+    *,
+    cell: ArrayLike | None = None,
+    pbc: bool | tuple[bool, ...] = True,
+    batch: ArrayLike | None = None,
+    self_loops: bool = False,
+    images: int | tuple[int, ...] | None = None,
+    leaf_size: int = 32,
+) -> NeighborGraph:
+    """Each point's `k` nearest neighbours (Euclidean), as a `NeighborGraph` with
+    `n * k` entries: point `i` sends to its neighbours.
+
+    In a cell, each image of a point is a candidate of its own (a small cell may
+    hold several images of one neighbour among the `k`). Ties in distance go to the
+    lower receiver index, then the lower shift. Where a point has fewer than `k`
+    candidates (a segment of at most `k` points in free space), it has fewer edges;
+    the edges are still in order, padding last. Aggregating messages at each centre
+    point is `jax.ops.segment_sum(messages, graph.senders, n)`.
+
+    **Arguments:** as `radius_graph`, with `k` the number of neighbours (static int
+    `>= 1`) and `self_loops` counting the point itself (at distance 0) as one of
+    them. `images` defaults to 1 (searched cells on either side along each periodic
+    axis); a point whose `k`-th neighbour lies farther than the images searched can
+    reach raises an error (eagerly, or `eqx.error_if` under `jit`).
+    """
+    points = check_points("points", points)
+    n, d = points.shape
+    k = check_static_int("k", k, 1)
+    cell_ = as_cell(cell, pbc, d, points.dtype)
+    counts = image_counts(cell_, None, images)
+    segment = _check_batch(batch, n)
+    return _knn_graph(points, k, cell_, segment, counts, self_loops, leaf_size)
+
+
+def _check_batch(batch, n: int) -> Int[Array, " n"] | None:
+    if batch is None:
+        return None
+    segment = jnp.asarray(batch)
+    if not jnp.issubdtype(segment.dtype, jnp.integer):
+        raise TypeError(f"`batch` must hold integer segment ids, got {segment.dtype}.")
+    if segment.shape != (n,):
+        raise ValueError(
+            f"`batch` must have one id per point, shape ({n},), got {segment.shape}."
+        )
+    return segment
+
+
+class _Placed(eqx.Module):
+    """The points as the search sees them: moved into the cell (`wraps` whole cell
+    vectors back), each segment moved along an extra axis, and the image offsets
+    (`offsets[s] = table[s] @ lattice`, zero on the extra axis)."""
+
+    points: Float[Array, "n e"]
+    wraps: Int[Array, "n d"]
+    offsets: Float[Array, "images e"]
+
+
+def _placed(points, cell: Cell | None, segment, table: np.ndarray, separation):
+    points = lax.stop_gradient(points)
+    n, d = points.shape
+    if cell is None:
+        wrapped, wraps = points, jnp.zeros((n, d), jnp.int32)
+        offsets = jnp.zeros((len(table), d), points.dtype)
+    else:
+        cell = lax.stop_gradient(cell)
+        wrapped, wraps = cell.wrapped(points)
+        offsets = jnp.asarray(table, points.dtype) @ cell.lattice
+    if segment is not None:
+        lowest = jnp.min(segment) if n else 0
+        extra = (segment - lowest).astype(points.dtype) * separation(wrapped, offsets)
+        wrapped = jnp.concatenate([wrapped, extra[:, None]], axis=1)
+        offsets = jnp.pad(offsets, ((0, 0), (0, 1)))
+    return _Placed(wrapped, wraps, offsets)
+
+
+def _graph(points, cell, table, wraps, edges, count, capacity: int):
+    """The `NeighborGraph` of `edges = (senders, receivers, images)`, sorted and
+    padded with `n`: shifts from the image numbers and the points' `wraps`, lengths
+    from the points and cell as given."""
+    n = points.shape[0]
+    senders, receivers, images = edges
+    valid = senders < n
+    # x_j + S @ L - x_i, with y = x - w @ L: the shift is S + w_i - w_j.
+    shifts = (
+        jnp.asarray(table)[images] + rows_at(wraps, senders) - rows_at(wraps, receivers)
+    )
+    shifts = jnp.where(valid[:, None], shifts, 0)
+    lattice = None if cell is None else cell.lattice
+    vectors = _edge_vectors(senders, receivers, shifts, points, lattice)
+    return NeighborGraph(
+        senders, receivers, shifts, _lengths(vectors, valid), count, count > capacity
+    )
+
+
+class _LeafEdges(AbstractVisitor):
+    """The edges from one image of one leaf (a `Block`): for each of its points and
+    each leaf visited, one record: the point's slot, the leaf, the image, and the
+    leaf's slots within `r` as a bitmask (as `_pairs._LeafPairs`)."""
+
+    r2: Float[Array, ""]
+    leaf: Int[Array, ""]
+    image: Int[Array, ""]
+    senders: Int[Array, " size"]
+    zero_shift: Bool[Array, ""]
+    positive_shift: Bool[Array, ""]
+    self_loops: bool = eqx.field(static=True)
+    half: bool = eqx.field(static=True)
+
+    def init(self) -> Int[Array, ""]:
+        return jnp.zeros((), jnp.int8)
+
+    def should_visit(self, state, box_d2, min_index) -> Bool[Array, ""]:
+        return box_d2 <= self.r2
+
+    def visit_leaf(self, state, d2, indices) -> Int[Array, ""]:
+        return state
+
+    def leaf_records(self, d2, indices, leaf):
+        size = d2.shape[0]
+        sender, receiver = self.senders[:, None], indices[None, :]
+        itself = sender == receiver
+        if self.half:
+            own_image = self.positive_shift | (self.zero_shift & self.self_loops)
+            keep = (sender < receiver) | (itself & own_image)
+        elif self.self_loops:
+            keep = True
+        else:
+            keep = ~(itself & self.zero_shift)
+        masks = bitmasks((d2 <= self.r2) & keep)
+        found = jnp.sum(set_bit_count(masks), axis=1, dtype=jnp.int32)
+        slot = jnp.arange(size)
+        rows = (self.leaf * size + slot).astype(indices.dtype)
+        leaves = jnp.broadcast_to(leaf.astype(indices.dtype), rows.shape)
+        images = jnp.broadcast_to(self.image, rows.shape)
+        return found > 0, (rows, leaves, images, masks), found
+
+
+@eqx.filter_jit
+def _radius_graph(
+    points, r, cell, segment, capacity: int, counts, self_loops, half, leaf_size
+) -> NeighborGraph:
+    n, d = points.shape
+    index_dtype = index_dtype_for(n + 1)
+    table = shift_table(counts, d)
+    if n == 0:
+        return _empty_graph(points, capacity, index_dtype)
+    placed = _placed(points, cell, segment, table, lambda *_: 2 * r)
+    tree = lax.stop_gradient(KDTree(placed.points, leaf_size=leaf_size))
+    size, leaves = tree.leaf_size, tree.num_leaves
+    first_leaf = leaves - 1
+    # Padding slots at infinity: they pair with nothing.
+    padding = (tree.leaf_indices == n)[:, None]
+    leaf_points = jnp.where(padding, jnp.inf, tree.leaf_points)
+    moved = placed.offsets * tree.scale  # a sender image sits at `y - offset`
+    blocks = Block(
+        (leaf_points.reshape(leaves, size, -1)[None] - moved[:, None, None]).reshape(
+            len(table) * leaves, size, -1
+        ),
+        (tree.node_lo[first_leaf:][None] - moved[:, None]).reshape(-1, moved.shape[1]),
+        (tree.node_hi[first_leaf:][None] - moved[:, None]).reshape(-1, moved.shape[1]),
+    )
+    image = jnp.repeat(jnp.arange(len(table), dtype=jnp.int32), leaves)
+    leaf = jnp.tile(jnp.arange(leaves, dtype=tree.leaf_indices.dtype), len(table))
+    senders = jnp.tile(tree.leaf_indices.reshape(leaves, size), (len(table), 1))
+    zero = jnp.asarray(~table.any(axis=1))[image]
+    positive = jnp.asarray(first_nonzero_positive(table))[image]
+    r2 = search_threshold(tree, r, EUCLIDEAN)
+    visitors = jax.vmap(
+        lambda *fields: _LeafEdges(r2, *fields, self_loops=self_loops, half=half)
+    )(leaf, image, senders, zero, positive)
+    slot_dtype = tree.leaf_indices.dtype
+    sink = Sink(
+        (
+            jnp.zeros(capacity, slot_dtype),
+            jnp.zeros(capacity, slot_dtype),
+            jnp.zeros(capacity, jnp.int32),
+            jnp.zeros((capacity, -(-size // WORD)), jnp.uint32),
+        ),
+        jnp.zeros((), index_dtype),
+    )
+    _, filled = walk_many(tree, blocks, visitors, EUCLIDEAN, sink=sink)
+    assert filled is not None
+    slots, leaves_of, images_of, masks = filled.records
+    record, a, b, found = unpacked(slots, leaves_of, masks, capacity, size)
+    sender = jnp.where(found, rows_at(tree.leaf_indices, a), n).astype(index_dtype)
+    receiver = jnp.where(found, rows_at(tree.leaf_indices, b), n).astype(index_dtype)
+    image = jnp.where(found, images_of[record], 0)
+    edges = sort_edges(sender, receiver, image, n + 1, len(table))
+    graph = _graph(points, cell, table, placed.wraps, edges, filled.written, capacity)
+    return checked_reach(graph, cell, counts, r, "The cutoff `r`")
+
+
+@eqx.filter_jit
+def _knn_graph(points, k: int, cell, segment, counts, self_loops, leaf_size):
+    n, d = points.shape
+    index_dtype = index_dtype_for(n + 1)
+    table = shift_table(counts, d)
+    if n == 0:
+        return _empty_graph(points, 0, index_dtype)
+    placed = _placed(points, cell, segment, table, _beyond_every_candidate)
+    tree = lax.stop_gradient(KDTree(placed.points, leaf_size=leaf_size))
+    wanted = k if self_loops else k + 1
+    centre = len(table) // 2  # the zero offset
+    unbounded = jnp.asarray(jnp.inf, points.dtype)
+    d_own, j_own = _nearest(tree, placed.points, unbounded, wanted)
+    s_own = jnp.full(j_own.shape, centre, jnp.int32)
+    own = jnp.arange(n, dtype=j_own.dtype)[:, None]
+
+    def merged(best, candidates):
+        """The `wanted` best of both by `(distance, receiver, image)`; the
+        point itself, other segments' points and missing ones at `(inf, n)`."""
+        distances, receivers, images = (
+            jnp.concatenate([b, c], axis=1) for b, c in zip(best, candidates)
+        )
+        unwanted = receivers >= n
+        if not self_loops:
+            unwanted = unwanted | ((receivers == own) & (images == centre))
+        if segment is not None:
+            unwanted = unwanted | (rows_at(segment, receivers) != segment[:, None])
+        distances = jnp.where(unwanted, jnp.inf, distances)
+        receivers = jnp.where(unwanted, n, receivers)
+        sorted_ = lax.sort((distances, receivers, images), dimension=1, num_keys=3)
+        return tuple(a[:, :wanted] for a in sorted_)
+
+    none = (
+        jnp.full((n, 0), jnp.inf, points.dtype),
+        jnp.zeros((n, 0), j_own.dtype),
+        jnp.zeros((n, 0), jnp.int32),
+    )
+    best = merged(none, (d_own, j_own, s_own))
+
+    def with_image(s, best):
+        bound = jnp.nextafter(best[0][:, -1], jnp.inf)  # ties at the k-th enter
+        x = placed.points - placed.offsets[s]
+        found = _nearest(tree, x, bound, wanted)
+        return merged(best, (*found, jnp.full((n, wanted), s, jnp.int32)))
+
+    others = [s for s in range(len(table)) if s != centre]
+    if others:
+        best = lax.fori_loop(
+            0,
+            len(others),
+            lambda t, b: with_image(jnp.asarray(others)[t], b),
+            best,
+        )
+    distances, receivers, images = (a[:, :k] for a in best)
+    farthest = distances[:, -1]
+    receivers, images = sort_edges_in_rows(receivers, images)
+    valid = receivers < n
+    senders = jnp.where(valid, own, n).astype(index_dtype).reshape(-1)
+    receivers = receivers.astype(index_dtype).reshape(-1)
+    images = images.reshape(-1)
+    count = jnp.sum(valid, dtype=index_dtype)
+    edges = _padding_last(valid.reshape(-1), senders, receivers, images, n)
+    graph = _graph(points, cell, table, placed.wraps, edges, count, n * k)
+    # A point short of `k` candidates in a periodic cell may miss farther images.
+    return checked_reach(graph, cell, counts, farthest, "A point's k-th neighbour")
+
+
+def _nearest(tree: KDTree, x, bound, wanted: int):
+    """The `wanted` nearest within `bound`, padded with `(inf, n)` beyond `n`."""
+    found = _knn.knn(tree, x, bound, min(wanted, tree.n), EUCLIDEAN)
+    missing = wanted - found[1].shape[1]
+    pad = ((0, 0), (0, missing))
+    return (
+        jnp.pad(found[0], pad, constant_values=jnp.inf),
+        jnp.pad(found[1], pad, constant_values=tree.n),
+    )
+
+
+def _beyond_every_candidate(wrapped, offsets):
+    """A separation of segments beyond any candidate distance within one: the span
+    of the wrapped points plus the farthest image offset."""
+    span = jnp.linalg.norm(jnp.max(wrapped, axis=0) - jnp.min(wrapped, axis=0))
+    return 2 * (span + jnp.max(jnp.linalg.norm(offsets, axis=1))) + 1
+
+
+def _padding_last(valid, senders, receivers, images, n):
+    """The entries where `valid`, in order, then padding `(n, n, 0)`."""
+    position = jnp.where(valid, jnp.cumsum(valid) - 1, valid.shape[0])
+
+    def out(a, fill):
+        return jnp.full_like(a, fill).at[position].set(a, mode="drop")
+
+    return out(senders, n), out(receivers, n), out(images, 0)
+
+
+def _empty_graph(points, capacity: int, index_dtype) -> NeighborGraph:
+    n, d = points.shape
+    return NeighborGraph(
+        jnp.full(capacity, n, index_dtype),
+        jnp.full(capacity, n, index_dtype),
+        jnp.zeros((capacity, d), jnp.int32),
+        jnp.full(capacity, jnp.inf, points.dtype),
+        jnp.zeros((), index_dtype),
+        jnp.zeros((), bool),
+    )
