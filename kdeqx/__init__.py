@@ -15,6 +15,7 @@ from ._graph import (
     radius_graph as radius_graph,
 )
 from ._interpolate import Interpolator as Interpolator
+from ._neighbor_list import NeighborList as NeighborList
 from ._sharded import ShardedKDTree as ShardedKDTree
 from ._tree import AbstractKDTree as AbstractKDTree, KDTree as KDTree
 from .series import OperatorSeries as OperatorSeries

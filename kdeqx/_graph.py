@@ -29,7 +29,7 @@ from ._cell import (
     image_counts,
     shift_table,
 )
-from ._custom_types import Array, ArrayLike, Bool, Float, Int
+from ._custom_types import Array, ArrayLike, Bool, Float, Int, PyTree
 from ._metric import Block, EUCLIDEAN, norm_without_overflow
 from ._pairs import unpacked
 from ._search import rows_at, search_threshold
@@ -85,6 +85,37 @@ class NeighborGraph(eqx.Module):
         """Which entries are edges (not padding)."""
         return self.distances < jnp.inf
 
+    def to_jraph(self, nodes: PyTree, edges: PyTree = None, globals: PyTree = None):
+        """A `jraph.GraphsTuple` (jraph is optional: `pip install jraph`) in jraph's
+        padded form: the graph, then a padding graph of one node (row `n` of the
+        nodes, zeros) that receives the padding edges. `nodes` are per-point
+        features (arrays of leading axis `n`), `edges` per-entry features (leading
+        axis `max_edges`) or `None`, `globals` leading axis 2 or `None`. Works
+        under `jit` (the edge count is traced).
+        """
+        try:
+            import jraph
+        except ImportError as error:
+            raise ImportError("`to_jraph` needs jraph: `pip install jraph`.") from error
+        leaves = jax.tree.leaves(nodes)
+        if not leaves:
+            raise ValueError(
+                "`nodes` must hold per-point features (one row per point)."
+            )
+        n = leaves[0].shape[0]
+        real = jnp.minimum(self.count, self.max_edges).astype(jnp.int32)
+        return jraph.GraphsTuple(
+            nodes=jax.tree.map(
+                lambda a: jnp.pad(a, [(0, 1)] + [(0, 0)] * (a.ndim - 1)), nodes
+            ),
+            edges=edges,
+            senders=self.senders,
+            receivers=self.receivers,
+            n_node=jnp.array([n, 1], jnp.int32),
+            n_edge=jnp.stack([real, self.max_edges - real]),
+            globals=globals,
+        )
+
 
 def _edge_vectors(senders, receivers, shifts, points, cell):
     n, d = points.shape
@@ -94,6 +125,15 @@ def _edge_vectors(senders, receivers, shifts, points, cell):
     if lattice is not None:
         vectors = vectors + shifts.astype(points.dtype) @ lattice
     return jnp.where(valid[:, None], vectors, 0)
+
+
+def with_points(graph: NeighborGraph, points, lattice) -> NeighborGraph:
+    """The graph with its distances measured for `points` and `lattice`."""
+    vectors = _edge_vectors(
+        graph.senders, graph.receivers, graph.shifts, points, lattice
+    )
+    distances = _lengths(vectors, graph.senders < points.shape[0])
+    return eqx.tree_at(lambda g: g.distances, graph, distances)
 
 
 def _lengths(vectors: Float[Array, "edges d"], valid: Bool[Array, " edges"]):

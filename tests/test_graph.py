@@ -327,3 +327,25 @@ def test_bad_input_raises_clear_errors():
         kdeqx.knn_graph(x, 0)
     with pytest.raises(Exception, match="images"):  # 10 points, 27 cells: 269 images
         kdeqx.knn_graph(x, 300, cell=np.ones(3)).distances.block_until_ready()
+
+
+def test_to_jraph_message_passing_equals_segment_sum():
+    jraph = pytest.importorskip("jraph")
+    x = jnp.asarray(points_in_and_around(10, 30), jnp.float32)
+    graph = kdeqx.radius_graph(x, 1.5, 600)
+    features = jnp.arange(30.0)[:, None] + 1
+    graphs = graph.to_jraph(features)
+    assert isinstance(graphs, jraph.GraphsTuple)
+    assert int(graphs.n_edge.sum()) == 600 and int(graphs.n_edge[0]) == int(graph.count)
+    # Sum of the senders' features at each receiver: jraph's padded layout (padding
+    # edges into node n) equals a segment sum over the real edges.
+    summed = jax.ops.segment_sum(graphs.nodes[graphs.senders], graphs.receivers, 31)[
+        :30
+    ]
+    live = graph.edge_mask()
+    senders = np.asarray(graph.senders)[np.asarray(live)]
+    receivers = np.asarray(graph.receivers)[np.asarray(live)]
+    expected = np.zeros(30)
+    np.add.at(expected, receivers, np.asarray(features)[senders, 0])
+    np.testing.assert_allclose(summed[:, 0], expected)
+    assert (np.asarray(graphs.nodes[30]) == 0).all()

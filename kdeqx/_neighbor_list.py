@@ -1,0 +1,207 @@
+"""A neighbour list for molecular dynamics: a radius graph with a skin, allocated once
+outside `jit` and updated inside it, rebuilt only when some particle has moved more
+than half the skin since the last build."""
+
+import math
+
+import equinox as eqx
+import jax.lax as lax
+import jax.numpy as jnp
+
+from ._cell import as_cell, Cell, image_counts
+from ._custom_types import Array, ArrayLike, Bool, Float, Int
+from ._graph import _check_batch, _radius_graph, NeighborGraph, with_points
+from ._search import rows_at
+from ._tree import check_points
+from ._validate import as_float_array, check_finite, check_positive, check_static_int
+
+
+class NeighborList(eqx.Module):
+    """Every pair within `cutoff + skin` at the last build, for the positions of
+    this step: `graph` (a `NeighborGraph`, see `radius_graph`) holds their current
+    shifts and distances; the pairs within `cutoff` are `within_cutoff()`.
+
+    Build one with `NeighborList.allocate` (outside `jit`: it sizes the capacity),
+    then call `update(positions)` at every step (inside `jit`; under `jax.vmap` too,
+    for systems of one shape sharing the capacity). `update` rebuilds the graph only
+    when some particle has moved more than half the skin since the last build, so
+    that no pair can have come within `cutoff` unseen. Positions may be wrapped into
+    the cell between steps: the shifts follow the particles.
+
+    A rebuild that finds more pairs than the capacity sets `overflow` (and keeps the
+    true `graph.count`): check it outside `jit` (after a step or a block of steps)
+    and `reallocate`, then redo those steps. Under `jax.vmap` JAX evaluates both
+    sides of the rebuild decision (a `cond` becomes a `select`), so each step costs
+    a rebuild; the answers are the same.
+    """
+
+    graph: NeighborGraph
+    reference: Float[Array, "n d"]
+    jumps: Int[Array, "n d"]
+    cell: Cell | None
+    batch: Int[Array, " n"] | None
+    cutoff: Float[Array, ""]
+    skin: Float[Array, ""]
+    builds: Int[Array, ""]
+    half: bool = eqx.field(static=True)
+    images: tuple[int, ...] = eqx.field(static=True)
+
+    @classmethod
+    def allocate(
+        cls,
+        positions: ArrayLike,
+        cutoff: ArrayLike,
+        *,
+        skin: ArrayLike,
+        cell: ArrayLike | None = None,
+        pbc: bool | tuple[bool, ...] = True,
+        batch: ArrayLike | None = None,
+        half: bool = False,
+        margin: float = 1.25,
+        max_edges: int | None = None,
+        images: int | tuple[int, ...] | None = None,
+    ) -> "NeighborList":
+        """Builds the list for `positions` (shape `(n, d)`) with room for `margin`
+        times the pairs found (at least one more), or for `max_edges` (static int;
+        give systems batched with `jax.vmap` one capacity).
+
+        **Arguments:** `cutoff > 0` and `skin >= 0` (scalars; the graph holds the
+        pairs within `cutoff + skin`); `cell`, `pbc`, `batch`, `half` and `images`
+        as in `radius_graph` (the cell is fixed for the list's life; `images`
+        defaults to what `cutoff + skin` needs). Eager: `cutoff`, `skin` and `cell`
+        must be concrete.
+        """
+        positions = check_points("positions", positions)
+        n, d = positions.shape
+        dtype = positions.dtype
+        cutoff = check_positive("cutoff", _finite("cutoff", cutoff, dtype), dtype)
+        skin = _finite("skin", skin, dtype)
+        if not float(skin) >= 0:
+            raise ValueError(f"`skin` must be >= 0, got {float(skin)}.")
+        if not margin >= 1:
+            raise ValueError(f"`margin` must be >= 1, got {margin}.")
+        cell_ = as_cell(cell, pbc, d, dtype)
+        counts = image_counts(cell_, cutoff + skin, images)
+        segment = _check_batch(batch, n)
+        found = _radius_graph(
+            positions, cutoff + skin, cell_, segment, 1, counts, False, half, 32
+        )
+        if max_edges is None:
+            capacity = max(1, math.ceil(int(found.count) * margin) + 1)
+        else:
+            capacity = check_static_int("max_edges", max_edges, 1)
+        graph = _radius_graph(
+            positions, cutoff + skin, cell_, segment, capacity, counts, False, half, 32
+        )
+        return cls(
+            graph,
+            positions,
+            jnp.zeros((n, d), jnp.int32),
+            cell_,
+            segment,
+            cutoff,
+            skin,
+            jnp.ones((), jnp.int32),
+            half,
+            counts,
+        )
+
+    @property
+    def max_edges(self) -> int:
+        return self.graph.max_edges
+
+    @property
+    def overflow(self) -> Bool[Array, ""]:
+        """Whether the last build found more pairs than the capacity."""
+        return self.graph.overflow
+
+    def within_cutoff(self) -> Bool[Array, " edges"]:
+        """Which edges are within `cutoff` now (the others are in the skin)."""
+        return self.graph.distances <= self.cutoff
+
+    def update(self, positions: ArrayLike) -> "NeighborList":
+        """The list for new `positions` (same shape): rebuilt if some particle moved
+        more than `skin / 2` since the last build, else the same pairs with their
+        shifts and distances brought up to date."""
+        positions = as_float_array("positions", positions, self.reference.dtype)
+        if positions.shape != self.reference.shape:
+            raise ValueError(
+                f"`positions` must have shape {self.reference.shape} (the list's), "
+                f"got {positions.shape}; allocate a new list for a new system."
+            )
+        moved, jumps = self._displacements(lax.stop_gradient(positions))
+        rebuild = jnp.max(jnp.sum(moved**2, axis=1), initial=0) > (self.skin / 2) ** 2
+        return lax.cond(
+            rebuild,
+            lambda: self._rebuilt(positions),
+            lambda: self._followed(positions, jumps),
+        )
+
+    def reallocate(self, positions: ArrayLike, margin: float = 1.25) -> "NeighborList":
+        """A new list for `positions` with its capacity sized again (outside `jit`),
+        for after an `overflow`."""
+        pbc = True if self.cell is None else self.cell.periodic
+        return NeighborList.allocate(
+            positions,
+            self.cutoff,
+            skin=self.skin,
+            cell=None if self.cell is None else self.cell.lattice,
+            pbc=pbc,
+            batch=self.batch,
+            half=self.half,
+            margin=margin,
+        )
+
+    def _displacements(self, positions):
+        """Each particle's move since the build (the nearest image of it, in a cell)
+        and the whole cell vectors it jumped by being wrapped."""
+        if self.cell is None:
+            return positions - self.reference, self.jumps
+        cell = lax.stop_gradient(self.cell)
+        change = cell.fractional(positions) - cell.fractional(self.reference)
+        jumps = jnp.where(jnp.asarray(cell.periodic), jnp.round(change), 0)
+        return (change - jumps) @ cell.lattice, jumps.astype(jnp.int32)
+
+    def _rebuilt(self, positions) -> "NeighborList":
+        graph = _radius_graph(
+            positions,
+            self.cutoff + self.skin,
+            self.cell,
+            self.batch,
+            self.max_edges,
+            self.images,
+            False,
+            self.half,
+            32,
+        )
+        return eqx.tree_at(
+            lambda s: (s.graph, s.reference, s.jumps, s.builds),
+            self,
+            (graph, positions, jnp.zeros_like(self.jumps), self.builds + 1),
+        )
+
+    def _followed(self, positions, jumps) -> "NeighborList":
+        # x_j + S @ L - x_i keeps its value when x_j moves by a whole k_j @ L:
+        # S changes by k_i - k_j.
+        graph = self.graph
+        change = jumps - self.jumps
+        valid = graph.senders < positions.shape[0]
+        shifts = graph.shifts + jnp.where(
+            valid[:, None],
+            rows_at(change, graph.senders) - rows_at(change, graph.receivers),
+            0,
+        )
+        lattice = None if self.cell is None else self.cell.lattice
+        graph = with_points(
+            eqx.tree_at(lambda g: g.shifts, graph, shifts), positions, lattice
+        )
+        return eqx.tree_at(
+            lambda s: (s.graph, s.jumps), self, (graph, jumps.astype(self.jumps.dtype))
+        )
+
+
+def _finite(name: str, value, dtype) -> Array:
+    value = as_float_array(name, value, dtype)
+    if value.ndim != 0:
+        raise ValueError(f"`{name}` must be a scalar, got shape {value.shape}.")
+    return check_finite(name, value)

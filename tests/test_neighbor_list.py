@@ -1,0 +1,100 @@
+"""`NeighborList`: across steps of wrapped random motion, the pairs within the cutoff
+equal a fresh radius graph's at every step; overflow, reallocation, jit and vmap."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kdeqx
+
+
+CELL = np.array([[5.0, 0.0, 0.0], [1.0, 4.5, 0.0], [0.5, 0.3, 4.8]])
+
+
+def wrapped(y):
+    fractional = y @ np.linalg.inv(CELL)
+    return (fractional - np.floor(fractional)) @ CELL
+
+
+def edges_within(graph, mask, n):
+    keep = np.asarray(mask) & (np.asarray(graph.senders) < n)
+    shifts = map(tuple, np.asarray(graph.shifts)[keep])
+    return sorted(
+        zip(np.asarray(graph.senders)[keep], np.asarray(graph.receivers)[keep], shifts)
+    )
+
+
+@pytest.mark.x64
+@pytest.mark.parametrize("half", [False, True])
+def test_update_follows_wrapped_particles_and_rebuilds_in_time(half):
+    rng = np.random.default_rng(0)
+    y = rng.uniform(0, 4, (60, 3))
+    neighbours = kdeqx.NeighborList.allocate(y, 1.5, skin=0.4, cell=CELL, half=half)
+
+    @eqx.filter_jit
+    @eqx.debug.assert_max_traces(max_traces=1)
+    def step(neighbours, y):
+        return neighbours.update(y)
+
+    for t in range(25):
+        y = wrapped(y + rng.normal(0, 0.03, y.shape))
+        neighbours = step(neighbours, y)
+        fresh = kdeqx.radius_graph(y, 1.5, 5000, cell=CELL, half=half)
+        got = edges_within(neighbours.graph, neighbours.within_cutoff(), 60)
+        assert got == edges_within(fresh, fresh.edge_mask(), 60), t
+        vectors = neighbours.graph.edge_vectors(y, CELL)
+        np.testing.assert_allclose(
+            np.linalg.norm(vectors, axis=1)[np.asarray(neighbours.graph.edge_mask())],
+            np.asarray(neighbours.graph.distances)[
+                np.asarray(neighbours.graph.edge_mask())
+            ],
+        )
+    assert 1 < int(neighbours.builds) < 25  # rebuilt, but not at every step
+    assert not bool(neighbours.overflow)
+
+
+def test_overflow_is_reported_and_reallocate_makes_room():
+    rng = np.random.default_rng(1)
+    y = rng.uniform(0, 4, (50, 3)).astype(np.float32)
+    neighbours = kdeqx.NeighborList.allocate(y, 1.2, skin=0.2, cell=CELL, margin=1.0)
+    squeezed = y * 0.6  # denser: more pairs than the capacity
+    neighbours = jax.jit(lambda n, y: n.update(y))(neighbours, squeezed)
+    assert bool(neighbours.overflow)
+    assert int(neighbours.graph.count) > neighbours.max_edges
+    bigger = neighbours.reallocate(squeezed)
+    assert not bool(bigger.overflow)
+    assert bigger.max_edges >= int(neighbours.graph.count)
+
+
+def test_vmap_over_systems_with_a_shared_capacity():
+    rng = np.random.default_rng(2)
+    ys = rng.uniform(0, 4, (3, 40, 3)).astype(np.float32)
+    lists = [
+        kdeqx.NeighborList.allocate(y, 1.3, skin=0.3, cell=CELL, max_edges=1500)
+        for y in ys
+    ]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *lists)
+    moved = ys + rng.normal(0, 0.2, ys.shape).astype(np.float32)  # beyond skin / 2
+    updated = jax.vmap(lambda n, y: n.update(y))(stacked, moved)
+    for b in range(3):
+        one = jax.tree.map(lambda a: a[b], updated)
+        assert not bool(one.overflow)
+        fresh = kdeqx.radius_graph(moved[b], 1.3, 4000, cell=CELL)
+        assert edges_within(one.graph, one.within_cutoff(), 40) == edges_within(
+            fresh, fresh.edge_mask(), 40
+        )
+
+
+def test_bad_input():
+    y = np.random.default_rng(3).random((10, 3)).astype(np.float32)
+    with pytest.raises(ValueError, match="skin"):
+        kdeqx.NeighborList.allocate(y, 0.5, skin=-0.1)
+    with pytest.raises(ValueError, match="cutoff"):
+        kdeqx.NeighborList.allocate(y, 0.0, skin=0.1)
+    with pytest.raises(ValueError, match="margin"):
+        kdeqx.NeighborList.allocate(y, 0.5, skin=0.1, margin=0.5)
+    neighbours = kdeqx.NeighborList.allocate(y, 0.5, skin=0.1)
+    with pytest.raises(ValueError, match="shape"):
+        neighbours.update(y[:5])
