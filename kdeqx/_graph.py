@@ -30,7 +30,7 @@ from ._cell import (
     shift_table,
 )
 from ._custom_types import Array, ArrayLike, Bool, Float, Int, PyTree
-from ._metric import Block, EUCLIDEAN, norm_without_overflow
+from ._metric import Block, EUCLIDEAN
 from ._pairs import unpacked
 from ._search import rows_at, search_threshold
 from ._traverse import AbstractVisitor, Sink, walk_many
@@ -118,26 +118,42 @@ class NeighborGraph(eqx.Module):
 
 
 def _edge_vectors(senders, receivers, shifts, points, cell):
+    return jnp.stack(_edge_components(senders, receivers, shifts, points, cell), -1)
+
+
+def _edge_components(senders, receivers, shifts, points, cell) -> list[Array]:
+    """The edge vectors axis by axis (zero at padding): on XLA:CPU, gathers and sums
+    of single columns run several times faster than of `(edges, 3)` rows."""
     n, d = points.shape
     valid = senders < n
-    vectors = rows_at(points, receivers) - rows_at(points, senders)
     lattice = as_lattice(cell, d, points.dtype)
-    if lattice is not None:
-        vectors = vectors + shifts.astype(points.dtype) @ lattice
-    return jnp.where(valid[:, None], vectors, 0)
+    components = []
+    for axis in range(d):
+        column = points[:, axis]
+        vector = rows_at(column, receivers) - rows_at(column, senders)
+        if lattice is not None:
+            for b in range(d):
+                vector = vector + shifts[:, b].astype(points.dtype) * lattice[b, axis]
+        components.append(jnp.where(valid, vector, 0))
+    return components
 
 
 def with_points(graph: NeighborGraph, points, lattice) -> NeighborGraph:
     """The graph with its distances measured for `points` and `lattice`."""
-    vectors = _edge_vectors(
+    components = _edge_components(
         graph.senders, graph.receivers, graph.shifts, points, lattice
     )
-    distances = _lengths(vectors, graph.senders < points.shape[0])
+    distances = _lengths(components, graph.senders < points.shape[0])
     return eqx.tree_at(lambda g: g.distances, graph, distances)
 
 
-def _lengths(vectors: Float[Array, "edges d"], valid: Bool[Array, " edges"]):
-    return jnp.where(valid, norm_without_overflow(vectors), jnp.inf)
+def _lengths(components: list[Array], valid: Bool[Array, " edges"]):
+    """Euclidean lengths, `inf` at padding, with zero (not NaN) gradients at zero
+    length. Edges are at most the cutoff long, so the squares cannot overflow."""
+    squared = sum(c * c for c in components)
+    positive = squared > 0
+    length = jnp.where(positive, jnp.sqrt(jnp.where(positive, squared, 1)), 0)
+    return jnp.where(valid, length, jnp.inf)
 
 
 def radius_graph(
@@ -290,9 +306,9 @@ def _graph(points, cell, table, wraps, edges, count, capacity: int):
     )
     shifts = jnp.where(valid[:, None], shifts, 0)
     lattice = None if cell is None else cell.lattice
-    vectors = _edge_vectors(senders, receivers, shifts, points, lattice)
+    components = _edge_components(senders, receivers, shifts, points, lattice)
     return NeighborGraph(
-        senders, receivers, shifts, _lengths(vectors, valid), count, count > capacity
+        senders, receivers, shifts, _lengths(components, valid), count, count > capacity
     )
 
 

@@ -186,11 +186,17 @@ class NeighborList(eqx.Module):
         graph = self.graph
         change = jumps - self.jumps
         valid = graph.senders < positions.shape[0]
-        shifts = graph.shifts + jnp.where(
-            valid[:, None],
-            rows_at(change, graph.senders) - rows_at(change, graph.receivers),
-            0,
-        )
+
+        def followed_shifts():
+            moved = [
+                rows_at(change[:, a], graph.senders)
+                - rows_at(change[:, a], graph.receivers)
+                for a in range(change.shape[1])
+            ]
+            return graph.shifts + jnp.where(valid[:, None], jnp.stack(moved, -1), 0)
+
+        # Wraps are rare between two steps: the shifts mostly stay as they are.
+        shifts = lax.cond(jnp.any(change != 0), followed_shifts, lambda: graph.shifts)
         lattice = None if self.cell is None else self.cell.lattice
         graph = with_points(
             eqx.tree_at(lambda g: g.shifts, graph, shifts), positions, lattice

@@ -1,0 +1,131 @@
+"""Neighbour graphs beside matscipy and jax-md, cores matched.
+
+    python benchmarks/graphs.py [--sizes 10000 100000] [--repeats 3] [--cpu-devices 1]
+
+Particles uniform at unit density, the cutoff that gives about 50 neighbours each
+(`r = (50 / (4/3 pi))**(1/3)`, 2.29), float32 for the JAX libraries (matscipy is
+float64 only). Each row is timed best of `--repeats` with every core, then pinned to
+core 0 (`_timing.cores`, as `taskset -c 0`); matscipy is single-threaded.
+
+- `build cubic` / `build triclinic`: the whole graph, both directions, with shifts.
+  kdeqx `radius_graph` (jitted) against matscipy `neighbour_list("ijS")` and, in the
+  cubic box, jax-md's `neighbor_list` rebuilt inside `jit` (its `update` with a zero
+  skin, cell list on; Dense and Sparse formats).
+- `update`: one neighbour-list update inside a jitted step where nobody moved past
+  half the skin (skin 0.3): kdeqx `NeighborList.update` against jax-md's `update`
+  (Dense and Sparse), both reporting distances' worth of state.
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _timing import print_matched
+
+import kdeqx
+
+
+NEIGHBOURS = 50
+
+
+def cutoff() -> float:
+    return (NEIGHBOURS / (4 / 3 * np.pi)) ** (1 / 3)
+
+
+def system(n: int, triclinic: bool, rng):
+    side = n ** (1 / 3)
+    if triclinic:  # same volume, tilted
+        cell = side * np.array([[1.0, 0, 0], [0.3, 1.0, 0], [-0.2, 0.25, 1.0]])
+    else:
+        cell = side * np.eye(3)
+    fractional = rng.random((n, 3))
+    return (fractional @ cell).astype(np.float32), cell.astype(np.float32)
+
+
+def build_task(n: int, triclinic: bool, rng):
+    from matscipy.neighbours import neighbour_list
+
+    x, cell = system(n, triclinic, rng)
+    r = cutoff()
+    capacity = int(n * NEIGHBOURS * 1.15)
+    images = 1  # r is far below the cell heights
+    ours = jax.jit(lambda x: kdeqx.radius_graph(x, r, capacity, cell=cell, images=images))
+    graph = ours(x)
+    i, _, _ = neighbour_list("ijS", positions=x.astype(np.float64), cell=cell, pbc=[True] * 3, cutoff=r)
+    note = f" | edges kdeqx {int(graph.count)} matscipy {len(i)}"
+    implementations = {
+        "kdeqx": lambda: ours(x).distances,
+        "matscipy": lambda: neighbour_list(
+            "ijS", positions=x.astype(np.float64), cell=cell, pbc=[True] * 3, cutoff=r
+        ),
+    }
+    if not triclinic:
+        for name, rebuild in _jax_md_rebuilds(x, cell[0, 0], r, skin=0.0).items():
+            implementations[name] = rebuild
+    return implementations, note
+
+
+def _jax_md_lists(x, side, r, skin):
+    from jax_md import partition, space
+
+    displacement, _ = space.periodic(side)
+    lists = {}
+    for name, form in (("jax-md Dense", partition.Dense), ("jax-md Sparse", partition.Sparse)):
+        neighbor_fn = partition.neighbor_list(
+            displacement, side, r, dr_threshold=skin, format=form, capacity_multiplier=1.15
+        )
+        lists[name] = (neighbor_fn, neighbor_fn.allocate(jnp.asarray(x)))
+    return lists
+
+
+def _jax_md_rebuilds(x, side, r, skin):
+    rebuilds = {}
+    moved = jnp.asarray(x) + 1e-3
+    for name, (neighbor_fn, nbrs) in _jax_md_lists(x, side, r, skin).items():
+        update = jax.jit(lambda y, nbrs, fn=neighbor_fn: fn.update(y, nbrs).idx)
+        update(moved, nbrs)
+        rebuilds[name] = lambda update=update, nbrs=nbrs: update(moved, nbrs)
+    return rebuilds
+
+
+def update_task(n: int, rng):
+    x, cell = system(n, False, rng)
+    r, skin = cutoff(), 0.3
+    neighbours = kdeqx.NeighborList.allocate(x, r, skin=skin, cell=cell, margin=1.15)
+    moved = jnp.asarray(x) + 0.01  # well within half the skin: no rebuild
+    ours = jax.jit(lambda nl, y: nl.update(y).graph.distances)
+    implementations = {"kdeqx": lambda: ours(neighbours, moved)}
+    for name, (neighbor_fn, nbrs) in _jax_md_lists(x, cell[0, 0], r, skin).items():
+        update = jax.jit(lambda y, nbrs, fn=neighbor_fn: fn.update(y, nbrs).idx)
+        implementations[name] = lambda update=update, nbrs=nbrs: update(moved, nbrs)
+    return implementations, f" | builds {int(neighbours.update(moved).builds)} (1: none)"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cpu-devices", type=int, default=1)
+    args = parser.parse_args()
+    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    print(
+        f"{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__};"
+        f" unit density, r = {cutoff():.3f} (~{NEIGHBOURS} neighbours), float32"
+    )
+    for n in args.sizes:
+        rng = np.random.default_rng(0)
+        tasks = {
+            "build cubic": lambda: build_task(n, False, rng),
+            "build triclinic": lambda: build_task(n, True, rng),
+            "update": lambda: update_task(n, rng),
+        }
+        for name, make in tasks.items():
+            implementations, note = make()
+            for fn in implementations.values():
+                jax.block_until_ready(fn())  # compiled, warm
+            print_matched(f"n={n:<7} {name:<16}", implementations, args.repeats, note)
+
+
+if __name__ == "__main__":
+    main()
