@@ -114,7 +114,6 @@ CASES = {
 }
 
 
-@pytest.mark.x64
 # Every case directed; half lists and self loops on the two hardest cells (each
 # configuration is a compilation: the suite's time).
 RADIUS_CASES = [(case, "directed") for case in CASES] + [
@@ -124,6 +123,7 @@ RADIUS_CASES = [(case, "directed") for case in CASES] + [
 ]
 
 
+@pytest.mark.x64
 @pytest.mark.parametrize("case, variant", RADIUS_CASES)
 def test_radius_graph_is_every_image_within_r(case, variant):
     config = dict(CASES[case])
