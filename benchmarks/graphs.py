@@ -13,7 +13,7 @@ core 0 (`_timing.cores`, as `taskset -c 0`); matscipy is single-threaded.
   skin, cell list on; Dense and Sparse formats).
 - `update`: one neighbour-list update inside a jitted step where nobody moved past
   half the skin (skin 0.3): kdeqx `NeighborList.update` against jax-md's `update`
-  (Dense and Sparse), both reporting distances' worth of state.
+  (Dense and Sparse); neither measures the pairs (an energy does).
 """
 
 import argparse
@@ -50,9 +50,13 @@ def build_task(n: int, triclinic: bool, rng):
     r = cutoff()
     capacity = int(n * NEIGHBOURS * 1.15)
     images = 1  # r is far below the cell heights
-    ours = jax.jit(lambda x: kdeqx.radius_graph(x, r, capacity, cell=cell, images=images))
+    ours = jax.jit(
+        lambda x: kdeqx.radius_graph(x, r, capacity, cell=cell, images=images)
+    )
     graph = ours(x)
-    i, _, _ = neighbour_list("ijS", positions=x.astype(np.float64), cell=cell, pbc=[True] * 3, cutoff=r)
+    i, _, _ = neighbour_list(
+        "ijS", positions=x.astype(np.float64), cell=cell, pbc=[True] * 3, cutoff=r
+    )
     note = f" | edges kdeqx {int(graph.count)} matscipy {len(i)}"
     implementations = {
         "kdeqx": lambda: ours(x).distances,
@@ -71,9 +75,17 @@ def _jax_md_lists(x, side, r, skin):
 
     displacement, _ = space.periodic(side)
     lists = {}
-    for name, form in (("jax-md Dense", partition.Dense), ("jax-md Sparse", partition.Sparse)):
+    for name, form in (
+        ("jax-md Dense", partition.Dense),
+        ("jax-md Sparse", partition.Sparse),
+    ):
         neighbor_fn = partition.neighbor_list(
-            displacement, side, r, dr_threshold=skin, format=form, capacity_multiplier=1.15
+            displacement,
+            side,
+            r,
+            dr_threshold=skin,
+            format=form,
+            capacity_multiplier=1.15,
         )
         lists[name] = (neighbor_fn, neighbor_fn.allocate(jnp.asarray(x)))
     return lists
@@ -94,12 +106,15 @@ def update_task(n: int, rng):
     r, skin = cutoff(), 0.3
     neighbours = kdeqx.NeighborList.allocate(x, r, skin=skin, cell=cell, margin=1.15)
     moved = jnp.asarray(x) + 0.01  # well within half the skin: no rebuild
-    ours = jax.jit(lambda nl, y: nl.update(y).graph.distances)
+    ours = jax.jit(lambda nl, y: nl.update(y).edges.shifts)
     implementations = {"kdeqx": lambda: ours(neighbours, moved)}
     for name, (neighbor_fn, nbrs) in _jax_md_lists(x, cell[0, 0], r, skin).items():
         update = jax.jit(lambda y, nbrs, fn=neighbor_fn: fn.update(y, nbrs).idx)
         implementations[name] = lambda update=update, nbrs=nbrs: update(moved, nbrs)
-    return implementations, f" | builds {int(neighbours.update(moved).builds)} (1: none)"
+    return (
+        implementations,
+        f" | builds {int(neighbours.update(moved).builds)} (1: none)",
+    )
 
 
 def main():

@@ -17,9 +17,13 @@ from ._validate import as_float_array, check_finite, check_positive, check_stati
 
 
 class NeighborList(eqx.Module):
-    """Every pair within `cutoff + skin` at the last build, for the positions of
-    this step: `graph` (a `NeighborGraph`, see `radius_graph`) holds their current
-    shifts and distances; the pairs within `cutoff` are `within_cutoff()`.
+    """Every pair within `cutoff + skin` at the last build, with shifts that follow
+    the particles: `edges` (a `NeighborGraph`, see `radius_graph`) holds the pairs
+    and their shifts for the positions last given to `update`, and their distances
+    *at the last build*. This step's are `graph(positions)` (or
+    `edges.edge_vectors(positions, cell)`, which an energy needs anyway); the pairs
+    within `cutoff` now are `within_cutoff(positions)`. As in jax-md, an update
+    that does not rebuild measures nothing: it costs a displacement check.
 
     Build one with `NeighborList.allocate` (outside `jit`: it sizes the capacity),
     then call `update(positions)` at every step (inside `jit`; under `jax.vmap` too,
@@ -29,13 +33,13 @@ class NeighborList(eqx.Module):
     the cell between steps: the shifts follow the particles.
 
     A rebuild that finds more pairs than the capacity sets `overflow` (and keeps the
-    true `graph.count`): check it outside `jit` (after a step or a block of steps)
+    true `edges.count`): check it outside `jit` (after a step or a block of steps)
     and `reallocate`, then redo those steps. Under `jax.vmap` JAX evaluates both
     sides of the rebuild decision (a `cond` becomes a `select`), so each step costs
     a rebuild; the answers are the same.
     """
 
-    graph: NeighborGraph
+    edges: NeighborGraph
     reference: Float[Array, "n d"]
     jumps: Int[Array, "n d"]
     cell: Cell | None
@@ -108,21 +112,29 @@ class NeighborList(eqx.Module):
 
     @property
     def max_edges(self) -> int:
-        return self.graph.max_edges
+        return self.edges.max_edges
 
     @property
     def overflow(self) -> Bool[Array, ""]:
         """Whether the last build found more pairs than the capacity."""
-        return self.graph.overflow
+        return self.edges.overflow
 
-    def within_cutoff(self) -> Bool[Array, " edges"]:
-        """Which edges are within `cutoff` now (the others are in the skin)."""
-        return self.graph.distances <= self.cutoff
+    def graph(self, positions: ArrayLike) -> NeighborGraph:
+        """`edges` with their distances measured for `positions` (those last given
+        to `update`), differentiable in them."""
+        positions = as_float_array("positions", positions, self.reference.dtype)
+        lattice = None if self.cell is None else self.cell.lattice
+        return with_points(self.edges, positions, lattice)
+
+    def within_cutoff(self, positions: ArrayLike) -> Bool[Array, " edges"]:
+        """Which edges are within `cutoff` at `positions` (the others are in the
+        skin, or padding)."""
+        return self.graph(positions).distances <= self.cutoff
 
     def update(self, positions: ArrayLike) -> "NeighborList":
         """The list for new `positions` (same shape): rebuilt if some particle moved
         more than `skin / 2` since the last build, else the same pairs with their
-        shifts and distances brought up to date."""
+        shifts brought up to date (nothing measured)."""
         positions = as_float_array("positions", positions, self.reference.dtype)
         if positions.shape != self.reference.shape:
             raise ValueError(
@@ -175,7 +187,7 @@ class NeighborList(eqx.Module):
             32,
         )
         return eqx.tree_at(
-            lambda s: (s.graph, s.reference, s.jumps, s.builds),
+            lambda s: (s.edges, s.reference, s.jumps, s.builds),
             self,
             (graph, positions, jnp.zeros_like(self.jumps), self.builds + 1),
         )
@@ -183,26 +195,24 @@ class NeighborList(eqx.Module):
     def _followed(self, positions, jumps) -> "NeighborList":
         # x_j + S @ L - x_i keeps its value when x_j moves by a whole k_j @ L:
         # S changes by k_i - k_j.
-        graph = self.graph
+        edges = self.edges
         change = jumps - self.jumps
-        valid = graph.senders < positions.shape[0]
+        valid = edges.senders < positions.shape[0]
 
         def followed_shifts():
             moved = [
-                rows_at(change[:, a], graph.senders)
-                - rows_at(change[:, a], graph.receivers)
+                rows_at(change[:, a], edges.senders)
+                - rows_at(change[:, a], edges.receivers)
                 for a in range(change.shape[1])
             ]
-            return graph.shifts + jnp.where(valid[:, None], jnp.stack(moved, -1), 0)
+            return edges.shifts + jnp.where(valid[:, None], jnp.stack(moved, -1), 0)
 
         # Wraps are rare between two steps: the shifts mostly stay as they are.
-        shifts = lax.cond(jnp.any(change != 0), followed_shifts, lambda: graph.shifts)
-        lattice = None if self.cell is None else self.cell.lattice
-        graph = with_points(
-            eqx.tree_at(lambda g: g.shifts, graph, shifts), positions, lattice
-        )
+        shifts = lax.cond(jnp.any(change != 0), followed_shifts, lambda: edges.shifts)
         return eqx.tree_at(
-            lambda s: (s.graph, s.jumps), self, (graph, jumps.astype(self.jumps.dtype))
+            lambda s: (s.edges.shifts, s.jumps),
+            self,
+            (shifts, jumps.astype(self.jumps.dtype)),
         )
 
 
