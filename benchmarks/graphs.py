@@ -11,9 +11,10 @@ core 0 (`_timing.cores`, as `taskset -c 0`); matscipy is single-threaded.
   kdeqx `radius_graph` (jitted) against matscipy `neighbour_list("ijS")` and, in the
   cubic box, jax-md's `neighbor_list` rebuilt inside `jit` (its `update` with a zero
   skin, cell list on; Dense and Sparse formats).
-- `update`: one neighbour-list update inside a jitted step where nobody moved past
-  half the skin (skin 0.3): kdeqx `NeighborList.update` against jax-md's `update`
-  (Dense and Sparse); neither measures the pairs (an energy does).
+- `update`: 100 MD-like steps in one jitted `lax.scan` where nobody moves past half
+  the skin (skin 0.3): the list's `update` and a pair energy over the pairs within
+  the cutoff, kdeqx `NeighborList` against jax-md's `update` (Dense and Sparse);
+  divide by 100 for one step.
 """
 
 import argparse
@@ -102,19 +103,68 @@ def _jax_md_rebuilds(x, side, r, skin):
 
 
 def update_task(n: int, rng):
+    """`STEPS` MD-like steps in one jitted `lax.scan`: every particle moves a little
+    (never past half the skin: no rebuild), the list is updated, and a pair energy
+    is summed over the pairs within the cutoff; the time is per step."""
     x, cell = system(n, False, rng)
-    r, skin = cutoff(), 0.3
+    side, r, skin = float(cell[0, 0]), cutoff(), 0.3
+    x = jnp.asarray(x)
+    velocity = jnp.asarray(rng.normal(0, 1, x.shape).astype(np.float32))
+
+    def moved(step):
+        return x + 1e-3 * jnp.sin(0.1 * step) * velocity
+
+    def pair_energy(distance, inside):
+        return jnp.sum(jnp.where(inside, jnp.exp(-distance * distance), 0.0))
+
     neighbours = kdeqx.NeighborList.allocate(x, r, skin=skin, cell=cell, margin=1.15)
-    moved = jnp.asarray(x) + 0.01  # well within half the skin: no rebuild
-    ours = jax.jit(lambda nl, y: nl.update(y).edges.shifts)
-    implementations = {"kdeqx": lambda: ours(neighbours, moved)}
-    for name, (neighbor_fn, nbrs) in _jax_md_lists(x, cell[0, 0], r, skin).items():
-        update = jax.jit(lambda y, nbrs, fn=neighbor_fn: fn.update(y, nbrs).idx)
-        implementations[name] = lambda update=update, nbrs=nbrs: update(moved, nbrs)
-    return (
-        implementations,
-        f" | builds {int(neighbours.update(moved).builds)} (1: none)",
+
+    @jax.jit
+    def ours(neighbours):
+        def step(neighbours, t):
+            y = moved(t)
+            neighbours = neighbours.update(y)
+            graph = neighbours.graph(y)
+            return neighbours, pair_energy(graph.distances, graph.distances < r)
+
+        return jax.lax.scan(step, neighbours, jnp.arange(STEPS))
+
+    implementations = {"kdeqx": lambda: ours(neighbours)[1]}
+    from jax_md import space
+
+    displacement, _ = space.periodic(side)
+    pairwise = space.map_bond(displacement)
+    for name, (neighbor_fn, nbrs) in _jax_md_lists(x, side, r, skin).items():
+        dense = name.endswith("Dense")
+
+        @jax.jit
+        def theirs(nbrs, fn=neighbor_fn, dense=dense):
+            def step(nbrs, t):
+                y = moved(t)
+                nbrs = fn.update(y, nbrs)
+                if dense:
+                    senders = jnp.broadcast_to(jnp.arange(n)[:, None], nbrs.idx.shape)
+                    receivers = nbrs.idx
+                else:
+                    receivers, senders = nbrs.idx
+                senders, receivers = senders.reshape(-1), receivers.reshape(-1)
+                real = receivers < n
+                vectors = pairwise(y[senders], y[jnp.where(real, receivers, 0)])
+                distance = jnp.sqrt(jnp.sum(vectors**2, axis=-1) + 1e-30)
+                return nbrs, pair_energy(distance, real & (distance < r))
+
+            return jax.lax.scan(step, nbrs, jnp.arange(STEPS))
+
+        implementations[name] = lambda theirs=theirs, nbrs=nbrs: theirs(nbrs)[1]
+    energies = {name: float(fn()[0]) for name, fn in implementations.items()}
+    builds = int(ours(neighbours)[0].builds)
+    note = f" | per {STEPS} steps; builds {builds} (1: none); first energies " + (
+        " ".join(f"{e:.6g}" for e in energies.values())
     )
+    return implementations, note
+
+
+STEPS = 100
 
 
 def main():

@@ -23,7 +23,13 @@ class Cell(eqx.Module):
     periodic: tuple[bool, ...] = eqx.field(static=True)
 
     def fractional(self, x: Float[Array, "n d"]) -> Float[Array, "n d"]:
-        return jnp.linalg.solve(self.lattice.T, x.T).T
+        """`x @ inv(lattice)`, axis by axis: a LAPACK solve per call, or a `(n, d)`
+        by `(d, d)` dot, cost XLA:CPU far more on one core than these sums."""
+        inverse = jnp.linalg.inv(self.lattice)
+        d = x.shape[1]
+        return jnp.stack(
+            [sum(x[:, b] * inverse[b, a] for b in range(d)) for a in range(d)], -1
+        )
 
     def heights(self) -> Float[Array, " d"]:
         """The distances between opposite faces: `1 / |b_i|` for the reciprocal
@@ -38,7 +44,14 @@ class Cell(eqx.Module):
         axes (fractional coordinates in `[0, 1)`) by whole cell vectors `w`."""
         periodic = jnp.asarray(self.periodic)
         whole = jnp.where(periodic, jnp.floor(self.fractional(x)), 0)
-        return x - whole @ self.lattice, whole.astype(jnp.int32)
+        return x - self.cartesian(whole), whole.astype(jnp.int32)
+
+    def cartesian(self, f: Float[Array, "n d"]) -> Float[Array, "n d"]:
+        """`f @ lattice`, axis by axis (see `fractional`)."""
+        d = f.shape[1]
+        return jnp.stack(
+            [sum(f[:, b] * self.lattice[b, a] for b in range(d)) for a in range(d)], -1
+        )
 
     def reach(self, images: tuple[int, ...]) -> Float[Array, ""]:
         """How far every image beyond `images` cells along each periodic axis lies at

@@ -300,11 +300,21 @@ def _graph(points, cell, table, wraps, edges, count, capacity: int):
     n = points.shape[0]
     senders, receivers, images = edges
     valid = senders < n
-    # x_j + S @ L - x_i, with y = x - w @ L: the shift is S + w_i - w_j.
-    shifts = (
-        jnp.asarray(table)[images] + rows_at(wraps, senders) - rows_at(wraps, receivers)
+    # x_j + S @ L - x_i, with y = x - w @ L: the shift is S + w_i - w_j. Axis by
+    # axis, as `_edge_components`.
+    shifts = jnp.stack(
+        [
+            jnp.where(
+                valid,
+                jnp.asarray(table[:, a])[images]
+                + rows_at(wraps[:, a], senders)
+                - rows_at(wraps[:, a], receivers),
+                0,
+            )
+            for a in range(table.shape[1])
+        ],
+        -1,
     )
-    shifts = jnp.where(valid[:, None], shifts, 0)
     lattice = None if cell is None else cell.lattice
     components = _edge_components(senders, receivers, shifts, points, lattice)
     return NeighborGraph(
@@ -366,18 +376,30 @@ def _radius_graph(
         return _empty_graph(points, capacity, index_dtype)
     placed = _placed(points, cell, segment, table, lambda *_: 2 * r)
     tree = lax.stop_gradient(KDTree(placed.points, leaf_size=leaf_size))
+    filled = _walked_images(tree, placed, table, r, capacity, self_loops, half)
+    edges = _unsorted_edges(tree, filled, capacity, index_dtype)
+    edges = sort_edges(*edges, n + 1, len(table))
+    graph = _graph(points, cell, table, placed.wraps, edges, filled.written, capacity)
+    return checked_reach(graph, cell, counts, r, "The cutoff `r`")
+
+
+def _walked_images(
+    tree: KDTree, placed: _Placed, table, r, capacity: int, self_loops, half
+) -> Sink:
+    """The sink of `_LeafEdges` records from a walk of every image of every leaf."""
     size, leaves = tree.leaf_size, tree.num_leaves
     first_leaf = leaves - 1
     # Padding slots at infinity: they pair with nothing.
-    padding = (tree.leaf_indices == n)[:, None]
+    padding = (tree.leaf_indices == tree.n)[:, None]
     leaf_points = jnp.where(padding, jnp.inf, tree.leaf_points)
     moved = placed.offsets * tree.scale  # a sender image sits at `y - offset`
+    e = moved.shape[1]
     blocks = Block(
-        (leaf_points.reshape(leaves, size, -1)[None] - moved[:, None, None]).reshape(
-            len(table) * leaves, size, -1
+        (leaf_points.reshape(leaves, size, e)[None] - moved[:, None, None]).reshape(
+            len(table) * leaves, size, e
         ),
-        (tree.node_lo[first_leaf:][None] - moved[:, None]).reshape(-1, moved.shape[1]),
-        (tree.node_hi[first_leaf:][None] - moved[:, None]).reshape(-1, moved.shape[1]),
+        (tree.node_lo[first_leaf:][None] - moved[:, None]).reshape(-1, e),
+        (tree.node_hi[first_leaf:][None] - moved[:, None]).reshape(-1, e),
     )
     image = jnp.repeat(jnp.arange(len(table), dtype=jnp.int32), leaves)
     leaf = jnp.tile(jnp.arange(leaves, dtype=tree.leaf_indices.dtype), len(table))
@@ -396,18 +418,28 @@ def _radius_graph(
             jnp.zeros(capacity, jnp.int32),
             jnp.zeros((capacity, -(-size // WORD)), jnp.uint32),
         ),
-        jnp.zeros((), index_dtype),
+        jnp.zeros((), index_dtype_for(tree.n + 1)),
     )
-    _, filled = walk_many(tree, blocks, visitors, EUCLIDEAN, sink=sink)
+    # Most images of most leaves lie beyond `r` of every point (all but those near
+    # the faces): they are not walked.
+    gap = jnp.maximum(
+        jnp.maximum(blocks.lo - tree.node_hi[0], tree.node_lo[0] - blocks.hi), 0
+    )
+    near = jnp.sum(gap * gap, axis=1) <= r2
+    _, filled = walk_many(tree, blocks, visitors, EUCLIDEAN, sink=sink, active=near)
     assert filled is not None
+    return filled
+
+
+def _unsorted_edges(tree: KDTree, filled: Sink, capacity: int, index_dtype):
+    """`(senders, receivers, images)` of the records' edges, padded with `(n, n,
+    0)`."""
+    n = tree.n
     slots, leaves_of, images_of, masks = filled.records
-    record, a, b, found = unpacked(slots, leaves_of, masks, capacity, size)
+    record, a, b, found = unpacked(slots, leaves_of, masks, capacity, tree.leaf_size)
     sender = jnp.where(found, rows_at(tree.leaf_indices, a), n).astype(index_dtype)
     receiver = jnp.where(found, rows_at(tree.leaf_indices, b), n).astype(index_dtype)
-    image = jnp.where(found, images_of[record], 0)
-    edges = sort_edges(sender, receiver, image, n + 1, len(table))
-    graph = _graph(points, cell, table, placed.wraps, edges, filled.written, capacity)
-    return checked_reach(graph, cell, counts, r, "The cutoff `r`")
+    return sender, receiver, jnp.where(found, images_of[record], 0)
 
 
 @eqx.filter_jit

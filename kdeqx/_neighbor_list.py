@@ -172,7 +172,7 @@ class NeighborList(eqx.Module):
         cell = lax.stop_gradient(self.cell)
         change = cell.fractional(positions) - cell.fractional(self.reference)
         jumps = jnp.where(jnp.asarray(cell.periodic), jnp.round(change), 0)
-        return (change - jumps) @ cell.lattice, jumps.astype(jnp.int32)
+        return cell.cartesian(change - jumps), jumps.astype(jnp.int32)
 
     def _rebuilt(self, positions) -> "NeighborList":
         graph = _radius_graph(

@@ -342,6 +342,7 @@ def walk_many(
     summed: bool = False,
     query_weights: Float[Array, " q"] | Int[Array, " q"] | None = None,
     node_keys: Int[Array, " nodes"] | None = None,
+    active: Bool[Array, " q"] | None = None,
 ) -> tuple[_State, Sink | None]:
     """`jax.vmap(walk, (None, 0, visitor_axis, None))(tree, x, visitors, metric)`, by
     lanes that
@@ -357,7 +358,9 @@ def walk_many(
     queries instead of kept one per query (so the output does not grow with `q`;
     the visitor's initial state must be zero), each weighted by its entry of
     `query_weights` when given. `node_keys` replace the nodes' lowest point indices
-    as the keys that `should_visit` sees.
+    as the keys that `should_visit` sees. Queries where `active` is False are not
+    walked at all (their states stay initial, they emit nothing): a caller that
+    knows many queries are void spares the lanes their steps.
 
     **Returns:** `(states, sink)`: the visitors' final states, batched along the
     queries (or their sum), and the sink (`None` without one).
@@ -382,7 +385,7 @@ def walk_many(
     lanes = lane_count(
         sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(one_state))
     )
-    if q <= lanes and sink is None and node_keys is None:
+    if q <= lanes and sink is None and node_keys is None and active is None:
         states = jax.vmap(walk, in_axes=(None, 0, visitor_axis, None))(
             tree, x, visitors, metric
         )
@@ -409,6 +412,10 @@ def walk_many(
     # Quantised in the root's box (the data's): no reductions over the queries.
     anchors = points.anchor if isinstance(points, Block) else points
     codes = morton_codes(anchors, steps.tree.node_lo[0], steps.tree.node_hi[0])
+    walked = q
+    if active is not None:  # codes stay below 2**30: inactive queries go last
+        codes = jnp.where(active, codes, jnp.uint32(2**32 - 1))
+        walked = jnp.sum(active, dtype=index_dtype)
     order = argsort_keys(codes).astype(index_dtype)
     points = _rows(points, order)
     if visitor_axis is not None:
@@ -423,7 +430,7 @@ def walk_many(
         or go idle when they have none left."""
         node = jnp.where(
             finished,
-            jnp.where(position < q, gather_clamped(first_node, position), _IDLE),
+            jnp.where(position < walked, gather_clamped(first_node, position), _IDLE),
             node,
         )
         fresh = init(position)
@@ -467,13 +474,15 @@ def walk_many(
         answers = init(jnp.arange(q, dtype=index_dtype))
     carry = (
         lane,
-        first_node[:lanes],
+        jnp.where(lane < walked, first_node[:lanes], _IDLE),
         jnp.full(lanes, -1, index_dtype),
         init(lane),
         answers,
         sink,
     )
-    _, _, _, _, answers, sink = lax.while_loop(lambda c: jnp.min(c[0]) < q, step, carry)
+    _, _, _, _, answers, sink = lax.while_loop(
+        lambda c: jnp.min(c[0]) < walked, step, carry
+    )
     return answers, sink
 
 
