@@ -85,14 +85,17 @@ def float32_sort_keys(values: Float[Array, "*shape"]) -> UInt[Array, "*shape"]:
 
 def argsort_keys(keys: UInt[Array, " m"]) -> Int[Array, " m"] | UInt[Array, " m"]:
     """A stable argsort of uint32 `keys` (ties by position): a 32-bit key and a 32-bit
-    position packed into one uint64 and sorted together."""
+    position packed into one uint64 and sorted together. The packed keys are unique,
+    so XLA's unstable sort serves: on XLA:CPU it is ~2.5x faster on keys that are
+    mostly in order already (12 ms against 30 ms for 78k shuffled keys ahead of 500k
+    in order), and no slower on random ones."""
     m = keys.shape[0]
     if m > 2**32:  # positions would not fit in 32 bits
         return argsort_keys_reference(keys)
     position = jnp.arange(m, dtype=jnp.uint32)
     with enable_x64_locally():
         packed = keys.astype(jnp.uint64) << 32 | position.astype(jnp.uint64)
-        return jnp.sort(packed).astype(jnp.uint32)
+        return lax.sort(packed, is_stable=False).astype(jnp.uint32)
 
 
 def argsort_keys_reference(keys: UInt[Array, " m"]) -> Int[Array, " m"]:
@@ -253,7 +256,10 @@ def sort_edges(
     with enable_x64_locally():
         wide = [a.astype(jnp.uint64) for a in (senders, receivers, images)]
         radix = jnp.uint64(nodes), jnp.uint64(image_count)
-        keys = lax.sort((wide[0] * radix[0] + wide[1]) * radix[1] + wide[2])
+        # Unique but for padding (all equal): stability cannot matter.
+        keys = lax.sort(
+            (wide[0] * radix[0] + wide[1]) * radix[1] + wide[2], is_stable=False
+        )
         image, pair = keys % radix[1], keys // radix[1]
         return (
             (pair // radix[0]).astype(senders.dtype),

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _knn
-from ._backend import sort_edges, sort_edges_in_rows
+from ._backend import argsort_keys, sort_edges, sort_edges_in_rows
 from ._bits import bitmasks, set_bit_count, WORD
 from ._cell import (
     as_cell,
@@ -435,7 +435,14 @@ def _unsorted_edges(tree: KDTree, filled: Sink, capacity: int, index_dtype):
     """`(senders, receivers, images)` of the records' edges, padded with `(n, n,
     0)`."""
     n = tree.n
-    slots, leaves_of, images_of, masks = filled.records
+    # Records grouped by sender first (unused ones last): the edges then come out
+    # nearly in order, which XLA:CPU's sort finishes ~2.5x faster than shuffled
+    # ones, for less than it spends here.
+    slots = filled.records[0]
+    used = jnp.arange(capacity) < filled.stored
+    senders = jnp.where(used, rows_at(tree.leaf_indices, slots), n)
+    order = argsort_keys(senders.astype(jnp.uint32))
+    slots, leaves_of, images_of, masks = (a[order] for a in filled.records)
     record, a, b, found = unpacked(slots, leaves_of, masks, capacity, tree.leaf_size)
     sender = jnp.where(found, rows_at(tree.leaf_indices, a), n).astype(index_dtype)
     receiver = jnp.where(found, rows_at(tree.leaf_indices, b), n).astype(index_dtype)
