@@ -11,6 +11,8 @@ core 0 (`_timing.cores`, as `taskset -c 0`); matscipy is single-threaded.
   kdeqx `radius_graph` (jitted) against matscipy `neighbour_list("ijS")` and, in the
   cubic box, jax-md's `neighbor_list` rebuilt inside `jit` (its `update` with a zero
   skin, cell list on; Dense and Sparse formats).
+- `compile`: trace and compile time of `radius_graph` and `knn_graph` for n = 8e3,
+  1e5 and 1e6 points (not run).
 - `update`: 100 MD-like steps in one jitted `lax.scan` where nobody moves past half
   the skin (skin 0.3): the list's `update` and a pair energy over the pairs within
   the cutoff, kdeqx `NeighborList` against jax-md's `update` (Dense and Sparse);
@@ -22,7 +24,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import print_matched
+from _timing import compile_time, print_matched
 
 import kdeqx
 
@@ -167,6 +169,26 @@ def update_task(n: int, rng):
 STEPS = 100
 
 
+def compile_times(sizes):
+    """Seconds to trace and compile (not run) a radius graph, a kNN graph and a
+    list update, per `n`: the programs do not grow with `n`."""
+    row = []
+    for n in sizes:
+        points = jax.ShapeDtypeStruct((n, 3), jnp.float32)
+        cell = jnp.eye(3) * n ** (1 / 3)
+        radius = compile_time(
+            lambda: jax.jit(
+                lambda x: kdeqx.radius_graph(x, cutoff(), 60 * n, cell=cell, images=1)
+            ),
+            points,
+        )
+        knn = compile_time(
+            lambda: jax.jit(lambda x: kdeqx.knn_graph(x, 16, cell=cell)), points
+        )
+        row.append(f"n={n}: radius_graph {radius:.2f} s, knn_graph {knn:.2f} s")
+    print("compile (trace + compile, not run) | " + " | ".join(row), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
@@ -178,6 +200,7 @@ def main():
         f"{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__};"
         f" unit density, r = {cutoff():.3f} (~{NEIGHBOURS} neighbours), float32"
     )
+    compile_times([1_000 * 2**3, 10**5, 10**6])
     for n in args.sizes:
         rng = np.random.default_rng(0)
         tasks = {

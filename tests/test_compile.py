@@ -47,3 +47,20 @@ def test_no_retracing_for_new_data_of_the_same_shape():
 
     for _ in range(3):
         query(kdeqx.KDTree(rng.random((100, 2))), rng.random((10, 2)))
+
+
+def _graph_sizes(n):
+    """Equations of a radius graph, a kNN graph and a neighbour-list update of `n`
+    points in a triclinic cell (shapes only: nothing runs)."""
+    cell = jnp.array([[3.0, 0, 0], [0.5, 3.0, 0], [0.2, 0.3, 3.0]])
+    points = jax.ShapeDtypeStruct((n, 3), jnp.float32)
+    radius = jax.make_jaxpr(
+        lambda x: kdeqx.radius_graph(x, 1.0, 4 * n, cell=cell, images=1)
+    )(points)
+    knn = jax.make_jaxpr(lambda x: kdeqx.knn_graph(x, 8, cell=cell))(points)
+    return count_equations(radius.jaxpr), count_equations(knn.jaxpr)
+
+
+def test_graph_programs_do_not_grow_with_n():
+    # (Below ~1e3 points the lanes are vmapped queries: another, smaller program.)
+    assert _graph_sizes(10_000) == _graph_sizes(100_000) == _graph_sizes(1_000_000)
