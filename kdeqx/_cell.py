@@ -34,8 +34,10 @@ class Cell(eqx.Module):
     def heights(self) -> Float[Array, " d"]:
         """The distances between opposite faces: `1 / |b_i|` for the reciprocal
         vectors `b_i`, the columns of `inv(lattice)`."""
-        reciprocal = jnp.linalg.inv(self.lattice)
-        return 1 / jnp.linalg.norm(reciprocal, axis=0)
+        # Brought near 1 first: the norms of a tiny cell's reciprocal would overflow.
+        scale = jnp.max(jnp.abs(self.lattice))
+        reciprocal = jnp.linalg.inv(self.lattice / scale)
+        return scale / jnp.linalg.norm(reciprocal, axis=0)
 
     def wrapped(
         self, x: Float[Array, "n d"]
@@ -99,8 +101,11 @@ def _check_pbc(pbc, d: int) -> tuple[bool, ...]:
 def _check_nondegenerate(lattice: Array) -> Array:
     """Rejects a cell whose volume is negligible beside its vectors' lengths (a
     singular or nearly flat cell, which has no fractional coordinates)."""
-    lengths = jnp.prod(jnp.linalg.norm(lattice, axis=1))
-    volume = jnp.abs(jnp.linalg.det(lattice))
+    # Brought near 1 first: a cell of side 1e-30 (or 1e30) is no less a cell.
+    largest = jnp.max(jnp.abs(lattice))
+    unit = lattice / jnp.where(largest > 0, largest, 1)
+    lengths = jnp.prod(jnp.linalg.norm(unit, axis=1))
+    volume = jnp.abs(jnp.linalg.det(unit))
     flat = ~(volume > jnp.sqrt(jnp.finfo(lattice.dtype).eps) * lengths)
     message = "`cell` must span a volume: its vectors are linearly dependent."
     if is_concrete(lattice):

@@ -227,3 +227,55 @@ def test_pairs_and_pair_counts_agree_with_brute_force(problem, p):
     np.testing.assert_array_equal(
         counts, [(between <= r / 2).sum(), (between <= r).sum()]
     )
+
+
+@eqx.filter_jit
+def _graphs(points, r, batch, cell):
+    directed = kdeqx.radius_graph(points, r, 1600, batch=batch)
+    half = kdeqx.radius_graph(points, r, 800, half=True, cell=cell, images=1)
+    return directed, half
+
+
+@given(problems(sizes=(40,), dims=(3,)))
+def test_radius_graphs_agree_with_brute_force(problem):
+    """Directed graphs of segments in free space, and half lists in a periodic box
+    around the data (cutoff below half its side, so one image a pair)."""
+    points, x, _, _ = problem
+    diff = points[:, None].astype(float) - points[None].astype(float)
+    within = _minkowski(diff, 2.0)
+    r = _radii_between_distances(within.reshape(1, -1))[0]
+    side = 2.5 * max(np.ptp(points.astype(float)), r, np.finfo(points.dtype).tiny)
+    offsets = np.round(diff / side)  # minimum images
+    periodic = _minkowski(diff - side * offsets, 2.0)
+    for distances in (within, periodic):
+        gaps = np.abs(distances - r) / max(r, np.finfo(float).tiny)
+        assume(gaps.min() > 1e-4)  # no distance on the sphere: float32 may disagree
+    batch = np.random.default_rng(int(points.size)).integers(0, 3, 40)
+    cell = np.full(3, side, points.dtype)
+    directed, half = _graphs(points, np.asarray(r, points.dtype), batch, cell)
+    i, j = np.nonzero((within <= r) & (batch[:, None] == batch[None]))
+    keep = i != j
+    expected = list(zip(i[keep].tolist(), j[keep].tolist()))
+    real = np.asarray(directed.senders) < 40
+    got = list(
+        zip(
+            *(
+                np.asarray(a)[real].tolist()
+                for a in (directed.senders, directed.receivers)
+            )
+        )
+    )
+    assert got == expected and int(directed.count) == len(expected)
+    i, j = np.nonzero(np.triu(periodic <= r, k=1))
+    # x_j - x_i + S * side is the minimum image: S = -round((x_j - x_i) / side).
+    shifts = (-offsets[j, i]).astype(int)
+    expected = sorted(zip(i.tolist(), j.tolist(), map(tuple, shifts.tolist())))
+    real = np.asarray(half.senders) < 40
+    got = list(
+        zip(
+            np.asarray(half.senders)[real].tolist(),
+            np.asarray(half.receivers)[real].tolist(),
+            map(tuple, np.asarray(half.shifts)[real].tolist()),
+        )
+    )
+    assert got == expected
