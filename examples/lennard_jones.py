@@ -9,7 +9,7 @@ rebuilt only when some particle has moved more than half the skin. Positions are
 wrapped into the cell every step (the shifts follow). The total energy drift is the
 integrator's check: it stays small for a small time step.
 
-    python examples/lennard_jones.py            # 500 particles, 1,000 steps, seconds
+    python examples/lennard_jones.py            # 512 particles, 500 steps, seconds
     KDEQX_FULL=1 python examples/lennard_jones.py
 """
 
@@ -27,7 +27,7 @@ jax.config.update("jax_enable_x64", True)  # for an energy drift worth reading
 
 FULL = bool(os.environ.get("KDEQX_FULL"))
 SIDE = 16 if FULL else 8  # particles per lattice row: SIDE**3 in all
-STEPS = 5_000 if FULL else 1_000
+STEPS = 5_000 if FULL else 500
 STEPS_PER_BLOCK = 100
 DT = 0.002
 CUTOFF, SKIN, DENSITY = 2.5, 0.3, 0.8

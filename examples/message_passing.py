@@ -26,7 +26,7 @@ import kdeqx
 
 FULL = bool(os.environ.get("KDEQX_FULL"))
 CLOUDS, LARGEST = (64, 48) if FULL else (16, 24)
-STEPS = 2_000 if FULL else 300
+STEPS = 2_000 if FULL else 150
 CUTOFF, BASIS = 1.5, 8
 MAX_EDGES = CLOUDS * LARGEST * LARGEST
 

@@ -87,10 +87,10 @@ class NeighborList(eqx.Module):
         cell_ = as_cell(cell, pbc, d, dtype)
         counts = image_counts(cell_, cutoff + skin, images)
         segment = _check_batch(batch, n)
-        found = _radius_graph(
-            positions, cutoff + skin, cell_, segment, 1, counts, False, half, 32
-        )
-        if max_edges is None:
+        if max_edges is None:  # a first pass counts the pairs
+            found = _radius_graph(
+                positions, cutoff + skin, cell_, segment, 1, counts, False, half, 32
+            )
             capacity = max(1, math.ceil(int(found.count) * margin) + 1)
         else:
             capacity = check_static_int("max_edges", max_edges, 1)
