@@ -300,20 +300,21 @@ def _graph(points, cell, table, wraps, edges, count, capacity: int):
     n = points.shape[0]
     senders, receivers, images = edges
     valid = senders < n
+
     # x_j + S @ L - x_i, with y = x - w @ L: the shift is S + w_i - w_j. Axis by
-    # axis, as `_edge_components`.
-    shifts = jnp.stack(
-        [
-            jnp.where(
-                valid,
-                jnp.asarray(table[:, a])[images]
-                + rows_at(wraps[:, a], senders)
-                - rows_at(wraps[:, a], receivers),
-                0,
-            )
-            for a in range(table.shape[1])
-        ],
-        -1,
+    # axis, as `_edge_components`; points already in the cell (MD's usual) have no
+    # wraps to gather.
+    def shifts_on(axis, wrapped: bool):
+        shift = jnp.asarray(table[:, axis])[images]
+        if wrapped:
+            column = wraps[:, axis]
+            shift = shift + rows_at(column, senders) - rows_at(column, receivers)
+        return jnp.where(valid, shift, 0)
+
+    shifts = lax.cond(
+        jnp.any(wraps != 0),
+        lambda: jnp.stack([shifts_on(a, True) for a in range(table.shape[1])], -1),
+        lambda: jnp.stack([shifts_on(a, False) for a in range(table.shape[1])], -1),
     )
     lattice = None if cell is None else cell.lattice
     components = _edge_components(senders, receivers, shifts, points, lattice)
