@@ -33,7 +33,7 @@ from ._custom_types import Array, ArrayLike, Bool, Float, Int, PyTree
 from ._metric import Block, EUCLIDEAN
 from ._pairs import unpacked
 from ._search import rows_at, search_threshold
-from ._traverse import AbstractVisitor, Sink, walk_many
+from ._traverse import AbstractEmitter, Sink, walk_many
 from ._tree import check_points, KDTree
 from ._validate import (
     as_float_array,
@@ -323,7 +323,7 @@ def _graph(points, cell, table, wraps, edges, count, capacity: int):
     )
 
 
-class _LeafEdges(AbstractVisitor):
+class _LeafEdges(AbstractEmitter):
     """The edges from one image of one leaf (a `Block`): for each of its points and
     each leaf visited, one record: the point's slot, the leaf, the image, and the
     leaf's slots within `r` as a bitmask (as `_pairs._LeafPairs`)."""
@@ -336,15 +336,6 @@ class _LeafEdges(AbstractVisitor):
     positive_shift: Bool[Array, ""]
     self_loops: bool = eqx.field(static=True)
     half: bool = eqx.field(static=True)
-
-    def init(self) -> Int[Array, ""]:
-        return jnp.zeros((), jnp.int8)
-
-    def should_visit(self, state, box_d2, min_index) -> Bool[Array, ""]:
-        return box_d2 <= self.r2
-
-    def visit_leaf(self, state, d2, indices) -> Int[Array, ""]:
-        return state
 
     def leaf_records(self, d2, indices, leaf):
         size = d2.shape[0]

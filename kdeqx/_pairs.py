@@ -29,7 +29,7 @@ from ._search import (
     rows_at,
     search_threshold,
 )
-from ._traverse import AbstractVisitor, Sink, walk_many
+from ._traverse import AbstractEmitter, AbstractVisitor, Sink, walk_many
 from ._validate import index_dtype_for
 
 
@@ -52,7 +52,7 @@ class Pairs(eqx.Module):
     count: Int[Array, ""]
 
 
-class _WithinRadius(AbstractVisitor):
+class _WithinRadius(AbstractEmitter):
     """Emits a record `(row, index)` for each point within `r` of one query (row
     `row`). With `above`, only points whose index plus `offset` exceeds `row`: the
     pairs `i < j` of a set with itself. The walk's state is unused: the sink counts."""
@@ -61,15 +61,6 @@ class _WithinRadius(AbstractVisitor):
     row: Int[Array, ""]
     offset: Int[Array, ""]
     above: bool = eqx.field(static=True)
-
-    def init(self) -> Int[Array, ""]:
-        return jnp.zeros((), jnp.int8)
-
-    def should_visit(self, state, box_d2, min_index) -> Bool[Array, ""]:
-        return box_d2 <= self.r2
-
-    def visit_leaf(self, state, d2, indices) -> Int[Array, ""]:
-        return state
 
     def leaf_records(self, d2, indices, leaf):
         inside = d2 <= self.r2
@@ -139,7 +130,7 @@ def _sorted_records(tree, x, r2, rows, offset, capacity, metric, above, m: int):
     return *sort_index_pairs(*filled.records), filled.written
 
 
-class _LeafPairs(AbstractVisitor):
+class _LeafPairs(AbstractEmitter):
     """The pairs of a tree with itself, from one of its leaves (number `leaf`)
     walked as a `Block`. With node keys that are each subtree's last leaf, it visits
     only leaves from its own on, and within its own only the slots after each
@@ -154,14 +145,8 @@ class _LeafPairs(AbstractVisitor):
     r2: Float[Array, ""]
     leaf: Int[Array, ""]
 
-    def init(self) -> Int[Array, ""]:
-        return jnp.zeros((), jnp.int8)
-
     def should_visit(self, state, box_d2, last_leaf) -> Bool[Array, ""]:
         return (box_d2 <= self.r2) & (last_leaf >= self.leaf)
-
-    def visit_leaf(self, state, d2, indices) -> Int[Array, ""]:
-        return state
 
     def leaf_records(self, d2, indices, leaf):
         size = d2.shape[0]

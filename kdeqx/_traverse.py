@@ -83,6 +83,23 @@ class AbstractVisitor(eqx.Module):
         return None
 
 
+class AbstractEmitter(AbstractVisitor):
+    """A visitor whose only output is the records it emits (`leaf_records`, into a
+    walk's `Sink`): it keeps no state and visits every subtree within the powered
+    distance `r2`."""
+
+    r2: eqx.AbstractVar[Float[Array, ""]]
+
+    def init(self) -> Int[Array, ""]:
+        return jnp.zeros((), jnp.int8)
+
+    def should_visit(self, state, box_d2, min_index) -> Bool[Array, ""]:
+        return box_d2 <= self.r2
+
+    def visit_leaf(self, state, d2, indices) -> Int[Array, ""]:
+        return state
+
+
 class Sink(eqx.Module):
     """A shared output that visitors append records to, in no particular order.
 
