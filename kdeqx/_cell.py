@@ -6,7 +6,6 @@ import math
 from collections.abc import Sequence
 
 import equinox as eqx
-import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -34,10 +33,8 @@ class Cell(eqx.Module):
     def heights(self) -> Float[Array, " d"]:
         """The distances between opposite faces: `1 / |b_i|` for the reciprocal
         vectors `b_i`, the columns of `inv(lattice)`."""
-        # Brought near 1 first: the norms of a tiny cell's reciprocal would overflow.
-        scale = jnp.max(jnp.abs(self.lattice))
-        reciprocal = jnp.linalg.inv(self.lattice / scale)
-        return scale / jnp.linalg.norm(reciprocal, axis=0)
+        unit, scale = _near_one(self.lattice)
+        return scale / jnp.linalg.norm(jnp.linalg.inv(unit), axis=0)
 
     def wrapped(
         self, x: Float[Array, "n d"]
@@ -101,9 +98,7 @@ def _check_pbc(pbc, d: int) -> tuple[bool, ...]:
 def _check_nondegenerate(lattice: Array) -> Array:
     """Rejects a cell whose volume is negligible beside its vectors' lengths (a
     singular or nearly flat cell, which has no fractional coordinates)."""
-    # Brought near 1 first: a cell of side 1e-30 (or 1e30) is no less a cell.
-    largest = jnp.max(jnp.abs(lattice))
-    unit = lattice / jnp.where(largest > 0, largest, 1)
+    unit, _ = _near_one(lattice)
     lengths = jnp.prod(jnp.linalg.norm(unit, axis=1))
     volume = jnp.abs(jnp.linalg.det(unit))
     flat = ~(volume > jnp.sqrt(jnp.finfo(lattice.dtype).eps) * lengths)
@@ -113,6 +108,15 @@ def _check_nondegenerate(lattice: Array) -> Array:
             raise ValueError(message)
         return lattice
     return eqx.error_if(lattice, flat, message)
+
+
+def _near_one(lattice: Array) -> tuple[Array, Array]:
+    """`(lattice / scale, scale)`, `scale` its largest entry (1 for zeros): a cell of
+    side 1e-30 or 1e30 is no less a cell, but its determinant and reciprocal norms
+    would underflow or overflow."""
+    largest = jnp.max(jnp.abs(lattice))
+    scale = jnp.where(largest > 0, largest, 1)
+    return lattice / scale, scale
 
 
 def image_counts(cell: Cell | None, r: Array | None, images) -> tuple[int, ...]:
@@ -171,10 +175,6 @@ def checked_reach(value: PyTree, cell: Cell | None, images, farthest, what: str)
             raise ValueError(message)
         return value
     return eqx.error_if(value, short, message)
-
-
-def without_gradient(cell: Cell | None) -> Cell | None:
-    return None if cell is None else lax.stop_gradient(cell)
 
 
 def as_lattice(cell: ArrayLike | None, d: int, dtype) -> Float[Array, "d d"] | None:

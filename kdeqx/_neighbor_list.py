@@ -87,16 +87,17 @@ class NeighborList(eqx.Module):
         cell_ = as_cell(cell, pbc, d, dtype)
         counts = image_counts(cell_, cutoff + skin, images)
         segment = _check_batch(batch, n)
-        if max_edges is None:  # a first pass counts the pairs
-            found = _radius_graph(
-                positions, cutoff + skin, cell_, segment, 1, counts, False, half, 32
+
+        def pairs(capacity: int) -> NeighborGraph:
+            return _pairs_in_reach(
+                positions, cutoff + skin, cell_, segment, capacity, counts, half
             )
-            capacity = max(1, math.ceil(int(found.count) * margin) + 1)
+
+        if max_edges is None:  # a first pass counts the pairs
+            capacity = max(1, math.ceil(int(pairs(1).count) * margin) + 1)
         else:
             capacity = check_static_int("max_edges", max_edges, 1)
-        graph = _radius_graph(
-            positions, cutoff + skin, cell_, segment, capacity, counts, False, half, 32
-        )
+        graph = pairs(capacity)
         return cls(
             graph,
             positions,
@@ -175,16 +176,14 @@ class NeighborList(eqx.Module):
         return cell.cartesian(change - jumps), jumps.astype(jnp.int32)
 
     def _rebuilt(self, positions) -> "NeighborList":
-        graph = _radius_graph(
+        graph = _pairs_in_reach(
             positions,
             self.cutoff + self.skin,
             self.cell,
             self.batch,
             self.max_edges,
             self.images,
-            False,
             self.half,
-            32,
         )
         return eqx.tree_at(
             lambda s: (s.edges, s.reference, s.jumps, s.builds),
@@ -214,6 +213,14 @@ class NeighborList(eqx.Module):
             self,
             (shifts, jumps.astype(self.jumps.dtype)),
         )
+
+
+def _pairs_in_reach(positions, reach, cell, segment, capacity, images, half):
+    """The radius graph within `reach` that a list holds (no self loops, the
+    default leaf size)."""
+    return _radius_graph(
+        positions, reach, cell, segment, capacity, images, False, half, 32
+    )
 
 
 def _finite(name: str, value, dtype) -> Array:
