@@ -1,4 +1,5 @@
-"""Interpolation from the k nearest points: kernel weights and a trainable module."""
+"""Interpolation from the k nearest points: the kernels (weighted means and local
+fits), their checked parameters, and the trainable `Interpolator`."""
 
 import functools as ft
 from collections.abc import Callable
@@ -8,15 +9,23 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from ._custom_types import Array, ArrayLike, Bool, Float
+from ._local import AbstractLocalFit
 from ._metric import check_norm
-from ._validate import check_positive, check_static_int, check_values
+from ._mls import MovingLeastSquares
+from ._rbf import check_rbf, LocalRbf, needs_epsilon, Radial
+from ._validate import (
+    check_nonnegative_smoothing,
+    check_positive,
+    check_static_int,
+    check_values,
+)
 
 
 if TYPE_CHECKING:
     from ._tree import AbstractKDTree
 
 
-Kernel = Literal["idw", "gaussian"]
+Kernel = Literal["idw", "gaussian", "rbf", "mls"]
 
 
 def _idw_weights(
@@ -49,11 +58,28 @@ def _gaussian_weights(
     return jnp.where(found, jnp.exp(-exponent), 0)
 
 
-def kernel_weights(
-    kernel: Kernel, power: float, length_scale, dtype
-) -> Callable[[Float[Array, "*batch k"], Bool[Array, "*batch k"]], Array]:
-    """The kernel's weights as a function of the neighbours' distances and which of
-    them exist, after checking its parameters."""
+Weights = Callable[[Float[Array, "*batch k"], Bool[Array, "*batch k"]], Array]
+
+
+def kernel_method(
+    kernel: Kernel,
+    *,
+    power: float,
+    length_scale,
+    rbf: Radial,
+    epsilon,
+    degree: int | None,
+    smoothing,
+    exact: bool,
+    p: float,
+    k: int,
+    n: int,
+    d: int,
+    dtype,
+) -> Weights | AbstractLocalFit:
+    """The kernel, after checking its parameters: a function of the neighbours'
+    distances and which of them exist giving their weights (`idw`, `gaussian`), or a
+    local fit (`rbf`, `mls`). `k` is the number of neighbours a query gets."""
     if kernel == "idw":
         if not power > 0:
             raise ValueError(f"`power` must be > 0 for kernel='idw', got {power}.")
@@ -63,7 +89,31 @@ def kernel_weights(
             raise ValueError("kernel='gaussian' needs a `length_scale`.")
         scale = check_positive("length_scale", length_scale, dtype)
         return ft.partial(_gaussian_weights, length_scale=scale)
-    raise ValueError(f"`kernel` must be 'idw' or 'gaussian', got {kernel!r}.")
+    if kernel in ("rbf", "mls") and p != 2:
+        raise ValueError(f"kernel={kernel!r} is defined for the Euclidean norm, p=2.")
+    if kernel == "rbf":
+        degree = check_rbf(rbf, degree, d, k)
+        if epsilon is None:
+            if needs_epsilon(rbf):
+                raise ValueError(f"rbf={rbf!r} needs an `epsilon` (as in scipy).")
+            epsilon = 1.0
+        return LocalRbf(
+            rbf,
+            check_positive("epsilon", epsilon, dtype),
+            check_nonnegative_smoothing(smoothing, n, dtype),
+            degree,
+            d,
+        )
+    if kernel == "mls":
+        degree = 1 if degree is None else degree
+        if degree not in (0, 1, 2):
+            raise ValueError(f"kernel='mls' takes degree 0, 1 or 2, got {degree!r}.")
+        if k < 2:
+            raise ValueError("kernel='mls' needs k >= 2 neighbours.")
+        return MovingLeastSquares(degree, d, k, bool(exact))
+    raise ValueError(
+        f"`kernel` must be 'idw', 'gaussian', 'rbf' or 'mls', got {kernel!r}."
+    )
 
 
 def weighted_mean(
@@ -80,9 +130,10 @@ class Interpolator(eqx.Module):
     """A field interpolated from values at the points of a tree: a trainable layer.
 
     `values` is an ordinary array leaf, so `eqx.filter_grad` and optax train it like
-    any weight. Only `values` (and `length_scale`) should be trained: the tree's float
-    arrays are search structures and moving them would not rebuild the tree. Select
-    the trainable part explicitly, for example
+    any weight, as are the kernel's continuous parameters (`length_scale`,
+    `epsilon`, `smoothing`) when given. The tree's float arrays are search
+    structures: moving them would not rebuild the tree. Select the trainable part
+    explicitly, for example
 
     ```python
     trainable = eqx.tree_at(
@@ -95,10 +146,15 @@ class Interpolator(eqx.Module):
     tree: "AbstractKDTree"
     values: Float[Array, "n ..."]
     length_scale: Float[Array, ""] | None
+    epsilon: Float[Array, ""] | None
+    smoothing: Float[Array, ""] | Float[Array, " n"]
     k: int = eqx.field(static=True)
     kernel: Kernel = eqx.field(static=True)
     power: float = eqx.field(static=True)
     p: float = eqx.field(static=True)
+    rbf: Radial = eqx.field(static=True)
+    degree: int | None = eqx.field(static=True)
+    exact: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -110,6 +166,11 @@ class Interpolator(eqx.Module):
         power: float = 2.0,
         length_scale: float | ArrayLike | None = None,
         p: int | float = 2.0,
+        rbf: Radial = "thin_plate_spline",
+        epsilon: float | ArrayLike | None = None,
+        degree: int | None = None,
+        smoothing: float | ArrayLike = 0.0,
+        exact: bool = False,
     ):
         """**Arguments:**
 
@@ -117,24 +178,38 @@ class Interpolator(eqx.Module):
         - `values`: the field at the points, shape `(n, ...)`, rows in the order of
             the tree's points.
         - `k`: neighbours used per query (static).
-        - `kernel`: `"idw"` (inverse distance, weights `1/d**power`) or
-            `"gaussian"` (weights `exp(-d**2 / (2 length_scale**2))`, smooth).
-        - `power`: the IDW exponent (static float > 0).
-        - `length_scale`: the Gaussian kernel's width (a trainable leaf).
-        - `p`: the Minkowski norm of the distances (static, `1 <= p <= inf`).
+        - `kernel`, `power`, `length_scale`, `p`, `rbf`, `epsilon`, `degree`,
+            `smoothing`, `exact`: as in `kdeqx.AbstractKDTree.interpolate`, checked
+            here. `length_scale`, `epsilon` and `smoothing` become trainable leaves.
         """
         self.values = check_values(values, tree.n)
-        kernel_weights(kernel, power, length_scale, self.values.dtype)
-        self.tree = tree
-        self.length_scale = (
-            None
-            if length_scale is None
-            else jnp.asarray(length_scale, self.values.dtype)
-        )
+        dtype = self.values.dtype
         self.k = check_static_int("k", k, 1)
+        self.p = check_norm(p, 0.0).p
+        kernel_method(
+            kernel,
+            power=power,
+            length_scale=length_scale,
+            rbf=rbf,
+            epsilon=epsilon,
+            degree=degree,
+            smoothing=smoothing,
+            exact=exact,
+            p=self.p,
+            k=max(1, min(self.k, tree.n)),
+            n=tree.n,
+            d=tree.d,
+            dtype=dtype,
+        )
+        self.tree = tree
+        self.length_scale = _optional_leaf(length_scale, dtype)
+        self.epsilon = _optional_leaf(epsilon, dtype)
+        self.smoothing = jnp.asarray(smoothing, dtype)
         self.kernel = kernel
         self.power = float(power)
-        self.p = check_norm(p, 0.0).p
+        self.rbf = rbf
+        self.degree = degree
+        self.exact = bool(exact)
 
     def __call__(self, x: ArrayLike) -> Float[Array, "..."]:
         """Interpolates at `x` of shape `(..., d)`; returns `(..., *feature)`."""
@@ -146,4 +221,13 @@ class Interpolator(eqx.Module):
             kernel=self.kernel,
             power=self.power,
             length_scale=self.length_scale,
+            rbf=self.rbf,
+            epsilon=self.epsilon,
+            degree=self.degree,
+            smoothing=self.smoothing,
+            exact=self.exact,
         )
+
+
+def _optional_leaf(value, dtype) -> Float[Array, ""] | None:
+    return None if value is None else jnp.asarray(value, dtype)

@@ -143,6 +143,10 @@ class ShardedKDTree(AbstractKDTree):
         self.axis_name = axis_name
 
     @property
+    def period(self) -> Float[Array, " d"] | None:
+        return self.leftover.period
+
+    @property
     def num_shards(self) -> int:
         """Number of local trees `S` (the size of the mesh axis)."""
         return self.mesh.shape[self.axis_name]

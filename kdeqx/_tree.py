@@ -14,7 +14,7 @@ import jax
 import jax.experimental.sparse
 import jax.numpy as jnp
 
-from . import _interpolate, _knn, _pairs as _pairs_module, _radius
+from . import _interpolate, _knn, _pairs as _pairs_module, _radius, _rbf
 from ._build import build_search_arrays
 from ._custom_types import (
     Array,
@@ -26,6 +26,7 @@ from ._custom_types import (
     Queries,
     Threshold,
 )
+from ._local import AbstractLocalFit, interpolate_locally
 from ._mesh import split_like_queries
 from ._metric import check_norm, Minkowski
 from ._search import rows_at
@@ -63,6 +64,8 @@ class AbstractKDTree(eqx.Module):
     # Whether the query methods check traced inputs for NaN/inf themselves; a tree
     # type may leave that to where they are used (on each device, for a sharded tree).
     checks_traced_inputs: eqx.AbstractClassVar[bool]
+    # Periodic box lengths `(d,)` (`<= 0`: an open axis), or `None` (scipy's boxsize).
+    period: eqx.AbstractVar[Float[Array, " d"] | None]
 
     @property
     @abc.abstractmethod
@@ -223,9 +226,14 @@ class AbstractKDTree(eqx.Module):
         *,
         k: int = 8,
         p: int | float = 2.0,
-        power: float = 2.0,
         kernel: _interpolate.Kernel = "idw",
+        power: float = 2.0,
         length_scale: float | ArrayLike | None = None,
+        rbf: _rbf.Radial = "thin_plate_spline",
+        epsilon: float | ArrayLike | None = None,
+        degree: int | None = None,
+        smoothing: float | ArrayLike = 0.0,
+        exact: bool = False,
     ) -> Float[Array, "..."]:
         """Interpolates `values` at `x` from the `k` nearest points.
 
@@ -234,33 +242,74 @@ class AbstractKDTree(eqx.Module):
         - `x`: queries, shape `(d,)` or `(..., d)`.
         - `values`: the field at the points, shape `(n, ...)`, rows in the order of
             the points. Must be finite.
-        - `k`: neighbours per query (static Python int `>= 1`).
-        - `p`: the Minkowski norm of the distances, as in `query`.
-        - `power`: inverse-distance exponent `> 0`: weights `1/d**power`
-            (`kernel="idw"`).
-        - `kernel`: `"idw"` (default) or `"gaussian"`: weights
-            `exp(-d**2 / (2 length_scale**2))` over the `k` nearest, smooth within a
-            neighbourhood.
+        - `k`: neighbours per query (static Python int `>= 1`; `k > n` uses all `n`).
+        - `p`: the Minkowski norm of the distances, as in `query` (`"idw"` and
+            `"gaussian"` only; the local fits are Euclidean).
+        - `kernel`: how the neighbours' values are combined (see the guide
+            "Choosing an interpolation kernel"):
+            - `"idw"` (default): the mean weighted by `1/d**power`.
+            - `"gaussian"`: the mean weighted by `exp(-d**2 / (2 length_scale**2))`.
+            - `"rbf"`: scipy's `RBFInterpolator(points, values, neighbors=k,
+                kernel=rbf, epsilon=epsilon, degree=degree, smoothing=smoothing)`,
+                evaluated at `x`: each query solves the RBF interpolant (with
+                polynomial terms) of its `k` nearest points. Exact at the points,
+                most accurate; jumps where the set of neighbours changes.
+            - `"mls"`: moving least squares of `degree` 0, 1 or 2 (default 1) with
+                weights that vanish smoothly at a support radius that moves
+                smoothly with `x`: the interpolant and its gradient are continuous.
+        - `power`: inverse-distance exponent `> 0` (`"idw"`).
         - `length_scale`: the Gaussian kernel's width `> 0`, required for it.
+        - `rbf`: the radial function of `"rbf"`: `"thin_plate_spline"` (default),
+            `"cubic"`, `"quintic"`, `"linear"`, `"gaussian"`, `"multiquadric"`,
+            `"inverse_multiquadric"` or `"inverse_quadratic"`, as in scipy.
+        - `epsilon`: the shape parameter of `"rbf"` (`> 0`; scipy's default 1 for
+            the scale-invariant kernels, required for the others).
+        - `degree`: the polynomial degree, `>= -1` (`-1`: none), of `"rbf"` (scipy's
+            default per kernel: 1 for the thin-plate spline and cubic, 2 for
+            quintic, 0 otherwise; at most as many terms as neighbours); 0, 1 or 2 for
+            `"mls"` (default 1).
+        - `smoothing`: `"rbf"`'s smoothing, `>= 0`: a scalar or one value per point,
+            shape `(n,)`, as scipy's (0, the default, interpolates).
+        - `exact`: for `"mls"`, weights singular at the points, so that the
+            interpolant reproduces the data there (to about `sqrt(eps)` relative to
+            the neighbours' spread).
 
         **Returns:**
 
-        The weighted mean of the neighbours' values, shape `(..., *values.shape[1:])`.
-        Where a query coincides with data points, the result is the mean of their
-        values (finite, with finite gradients). Differentiable with respect to `x`,
-        `values` and the points.
+        The interpolated values, shape `(..., *values.shape[1:])`. Where a query
+        coincides with data points, `"idw"` returns the mean of their values (finite,
+        with finite gradients). A local system that is numerically singular
+        (duplicate points with `smoothing=0`, or neighbours that cannot determine the
+        polynomial, such as collinear points with `degree=1` in 2-D; scipy raises
+        there) is solved with a ridge of `sqrt(eps)` times its largest entry:
+        duplicates then share the mean of their values. Differentiable with respect
+        to `x`, `values`, the points, and `length_scale`, `epsilon` and `smoothing`.
         """
         if self.n == 0:
             raise ValueError("Cannot interpolate from an empty tree (n = 0).")
-        k = check_static_int("k", k, 1)
+        k = _findable(check_static_int("k", k, 1), self.n)
         metric = check_norm(p, 0.0)
-        weigh = _interpolate.kernel_weights(kernel, power, length_scale, self.dtype)
+        method = _interpolate.kernel_method(
+            kernel,
+            power=power,
+            length_scale=length_scale,
+            rbf=rbf,
+            epsilon=epsilon,
+            degree=degree,
+            smoothing=smoothing,
+            exact=exact,
+            p=metric.p,
+            k=k,
+            n=self.n,
+            d=self.d,
+            dtype=self.dtype,
+        )
         values = check_values(values, self.n)
         x = self._check_queries(x)
-        distances, indices, rows = self._knn_rows(
-            x, _findable(k, self.n), values, metric
-        )
-        return _interpolate.weighted_mean(weigh(distances, indices < self.n), rows)
+        if isinstance(method, AbstractLocalFit):
+            return interpolate_locally(self, x, values, k, metric, method)
+        distances, indices, rows = self._knn_rows(x, k, values, metric)
+        return _interpolate.weighted_mean(method(distances, indices < self.n), rows)
 
     def query_ball_tree(
         self,

@@ -147,6 +147,25 @@ def check_positive(name: str, value, dtype) -> Float[Array, ""]:
     return eqx.error_if(value, value <= 0, f"`{name}` must be > 0.")
 
 
+def check_nonnegative_smoothing(
+    smoothing, n: int, dtype
+) -> Float[Array, ""] | Float[Array, " n"]:
+    """scipy's RBF `smoothing`: a scalar or one value per point, finite and `>= 0`
+    (eagerly `ValueError`, under `jit` via `eqx.error_if`)."""
+    smoothing = as_float_array("smoothing", smoothing, dtype)
+    if smoothing.shape not in ((), (n,)):
+        raise ValueError(
+            f"`smoothing` must be a scalar or have shape ({n},), one per point, got "
+            f"shape {tuple(smoothing.shape)}."
+        )
+    bad = ~jnp.all(jnp.isfinite(smoothing) & (smoothing >= 0))
+    if is_concrete(smoothing):
+        if bad:
+            raise ValueError("`smoothing` must be finite and >= 0.")
+        return smoothing
+    return eqx.error_if(smoothing, bad, "`smoothing` must be finite and >= 0.")
+
+
 def check_values(values: ArrayLike, n: int) -> Float[Array, "n ..."]:
     """Values given at the `n` points: shape `(n, ...)`, real and finite."""
     values = as_float_array("values", values)

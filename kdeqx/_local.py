@@ -1,0 +1,110 @@
+"""Local fits: interpolants solved per query on its `k` nearest points (local RBF,
+moving least squares), and what they share: the neighbourhood in coordinates relative
+to the query, polynomial terms, and evaluation in chunks of queries."""
+
+import abc
+import itertools
+import math
+from typing import TYPE_CHECKING
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ._custom_types import Array, Float
+from ._metric import minimum_image, Minkowski
+
+
+if TYPE_CHECKING:
+    from ._tree import AbstractKDTree
+
+
+# Queries fitted at once: bounds the `(chunk, k, k)` temporaries of a local RBF.
+_CHUNK = 2048
+
+
+class AbstractLocalFit(eqx.Module):
+    """An interpolant fitted, for each query, to its `k` nearest points."""
+
+    @abc.abstractmethod
+    def point_columns(self, n: int, dtype) -> Float[Array, "n c"]:
+        """Per-point parameters gathered with each neighbour (`c` may be 0)."""
+
+    @abc.abstractmethod
+    def fit(
+        self,
+        offsets: Float[Array, "k d"],
+        values: Float[Array, "k s"],
+        columns: Float[Array, "k c"],
+    ) -> Float[Array, " s"]:
+        """The interpolant at one query, from its neighbours' offsets (neighbour minus
+        query, minimum image in a periodic box), values and `point_columns`, nearest
+        first. Written for one query; queries are mapped over in chunks."""
+
+
+def monomial_powers(d: int, degree: int) -> tuple[tuple[int, ...], ...]:
+    """The exponents of every monomial in `d` variables of degree at most `degree`
+    (none for `degree = -1`), lowest degree first."""
+    powers = []
+    for total in range(degree + 1):
+        for axes in itertools.combinations_with_replacement(range(d), total):
+            powers.append(tuple(axes.count(axis) for axis in range(d)))
+    return tuple(powers)
+
+
+def count_monomials(d: int, degree: int) -> int:
+    return math.comb(degree + d, d) if degree >= 0 else 0
+
+
+def monomials(
+    coordinates: Float[Array, "*batch d"], powers: tuple[tuple[int, ...], ...]
+) -> Float[Array, "*batch r"]:
+    """The monomials at `coordinates`, as products of coordinates (no `pow`, whose
+    gradient at 0 is NaN)."""
+    terms = []
+    for exponents in powers:
+        term = jnp.ones(coordinates.shape[:-1], coordinates.dtype)
+        for axis, exponent in enumerate(exponents):
+            for _ in range(exponent):
+                term = term * coordinates[..., axis]
+        terms.append(term)
+    if not terms:
+        return jnp.zeros((*coordinates.shape[:-1], 0), coordinates.dtype)
+    return jnp.stack(terms, axis=-1)
+
+
+def squared_norms(offsets: Float[Array, "*batch d"]) -> Float[Array, "*batch"]:
+    """`|offset|^2`, summed axis by axis (faster on XLA:CPU than a reduction over a
+    short last axis, and without a square root)."""
+    total = offsets[..., 0] ** 2
+    for axis in range(1, offsets.shape[-1]):
+        total = total + offsets[..., axis] ** 2
+    return total
+
+
+def interpolate_locally(
+    tree: "AbstractKDTree",
+    x: Float[Array, "*batch d"],
+    values: Float[Array, "n ..."],
+    k: int,
+    metric: Minkowski,
+    fit: AbstractLocalFit,
+) -> Float[Array, "..."]:
+    """`fit` at each query, on its `k` nearest points of `tree`."""
+    n, d = tree.n, tree.d
+    flat_values = values.reshape(n, -1)
+    extra = fit.point_columns(n, values.dtype)
+    table = jnp.concatenate([tree._points(), flat_values, extra], axis=1)
+    _, _, rows = tree._knn_rows(x, k, table, metric)
+    batch = x.shape[:-1]
+    rows = rows.reshape(-1, k, table.shape[1])
+    offsets = minimum_image(rows[..., :d] - x.reshape(-1, 1, d), tree.period)
+    s = flat_values.shape[1]
+    value_rows, extra_rows = rows[..., d : d + s], rows[..., d + s :]
+
+    fitted = jax.lax.map(
+        lambda arrays: fit.fit(*arrays),
+        (offsets, value_rows, extra_rows),
+        batch_size=_CHUNK,
+    )
+    return fitted.reshape(*batch, *values.shape[1:])

@@ -1,0 +1,357 @@
+"""The local fits of `interpolate`: `kernel="rbf"` against scipy's RBFInterpolator with
+neighbours, and `kernel="mls"` against closed forms and for continuity."""
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.interpolate import RBFInterpolator
+
+import kdeqx
+
+from .helpers import central_difference, DTYPES
+
+
+def _field(points):
+    return np.sin(3 * points[:, 0]) + points[:, 1] ** 2
+
+
+def _data(seed=0, n=200, q=25):
+    rng = np.random.default_rng(seed)
+    points = rng.random((n, 2))
+    return points, _field(points), rng.random((q, 2))
+
+
+# Every kernel at scipy's default degree and one above; -1 (no polynomial) where the
+# kernel is positive definite without one. epsilon where the kernel needs it.
+_RBF_CASES = [
+    ("thin_plate_spline", None, None),
+    ("thin_plate_spline", 2, None),
+    ("cubic", None, None),
+    ("cubic", 2, None),
+    ("quintic", None, None),
+    ("linear", None, None),
+    ("linear", 1, None),
+    ("multiquadric", None, 3.0),
+    ("multiquadric", 1, 3.0),
+    ("gaussian", None, 5.0),
+    ("gaussian", -1, 5.0),
+    ("gaussian", 1, 5.0),
+    ("inverse_multiquadric", None, 3.0),
+    ("inverse_multiquadric", -1, 3.0),
+    ("inverse_quadratic", None, 3.0),
+    ("inverse_quadratic", 2, 3.0),
+]
+
+
+@pytest.mark.x64
+@pytest.mark.parametrize("rbf, degree, epsilon", _RBF_CASES)
+def test_rbf_matches_scipy(rbf, degree, epsilon):
+    points, values, x = _data()
+    out = kdeqx.KDTree(points).interpolate(
+        x, values, k=12, kernel="rbf", rbf=rbf, degree=degree, epsilon=epsilon
+    )
+    expected = RBFInterpolator(
+        points,
+        values,
+        neighbors=12,
+        kernel=rbf,
+        degree=degree,
+        epsilon=1.0 if epsilon is None else epsilon,
+    )(x)
+    # The kernels with a shape parameter give worse-conditioned local systems.
+    rtol = 1e-10 if epsilon is None else 1e-6
+    np.testing.assert_allclose(out, expected, rtol=rtol, atol=rtol)
+
+
+@pytest.mark.x64
+def test_rbf_smoothing_scalar_and_per_point_and_features_match_scipy():
+    points, values, x = _data(1)
+    rng = np.random.default_rng(1)
+    features = np.stack([values, rng.random(len(points))], axis=1)
+    per_point = rng.random(len(points)) * 1e-2
+    tree = kdeqx.KDTree(points)
+    for smoothing in (0.3, per_point):
+        out = tree.interpolate(x, features, k=10, kernel="rbf", smoothing=smoothing)
+        expected = RBFInterpolator(points, features, neighbors=10, smoothing=smoothing)
+        np.testing.assert_allclose(out, expected(x), rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.x64
+def test_rbf_with_duplicates():
+    points, values, x = _data(2, n=60)
+    points = np.concatenate([points, points[:5]])
+    values = np.concatenate([values, values[:5] + 1.0])
+    tree = kdeqx.KDTree(points)
+    # With smoothing the systems are regular: scipy's answer.
+    out = tree.interpolate(x, values, k=10, kernel="rbf", smoothing=0.1)
+    expected = RBFInterpolator(points, values, neighbors=10, smoothing=0.1)(x)
+    np.testing.assert_allclose(out, expected, rtol=1e-9)
+    # Without, scipy raises; kdeqx regularises: finite, and the duplicates share the
+    # mean of their values.
+    at_duplicates = tree.interpolate(points[:5], values, k=10, kernel="rbf")
+    np.testing.assert_allclose(at_duplicates, values[:5] + 0.5, rtol=1e-6)
+    elsewhere = tree.interpolate(x, values, k=10, kernel="rbf")
+    assert np.all(np.isfinite(elsewhere))
+
+
+@pytest.mark.x64
+def test_rbf_collinear_neighbourhood_is_finite_and_exact_on_the_line():
+    t = np.linspace(0, 1, 30)
+    points = np.stack([t, 2 * t], axis=1)
+    values = np.sin(3 * t)
+    tree = kdeqx.KDTree(points)
+    out = tree.interpolate(points[3:6], values, k=8, kernel="rbf")
+    np.testing.assert_allclose(out, values[3:6], atol=1e-6)
+    assert np.all(np.isfinite(tree.interpolate(np.array([[0.5, 0.1]]), values, k=8)))
+
+
+@pytest.mark.x64
+def test_rbf_k_beyond_n_uses_every_point():
+    points, values, x = _data(3, n=9)
+    out = kdeqx.KDTree(points).interpolate(x, values, k=50, kernel="rbf")
+    expected = RBFInterpolator(points, values, neighbors=50)(x)
+    np.testing.assert_allclose(out, expected, rtol=1e-10)
+
+
+def test_rbf_float32_close_to_scipy():
+    points, values, x = _data(4)
+    out = kdeqx.KDTree(points.astype(np.float32)).interpolate(
+        x.astype(np.float32), values.astype(np.float32), k=12, kernel="rbf"
+    )
+    expected = RBFInterpolator(points, values, neighbors=12)(x)
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, expected, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.x64
+def test_rbf_gradients_match_finite_differences():
+    points, values, x = _data(5, n=80, q=3)
+    tree = kdeqx.KDTree(points)
+
+    @jax.jit
+    def loss(x, values, epsilon, smoothing):
+        out = tree.interpolate(
+            x,
+            values,
+            k=10,
+            kernel="rbf",
+            rbf="multiquadric",
+            epsilon=epsilon,
+            smoothing=smoothing,
+        )
+        return jnp.sum(out**2)
+
+    args = (jnp.asarray(x), jnp.asarray(values), 2.0, 0.05)
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
+    for argnum, grad in enumerate(grads):
+
+        def along(a, argnum=argnum):
+            changed = list(args)
+            changed[argnum] = a
+            return loss(*changed)
+
+        expected = central_difference(along, np.asarray(args[argnum], float))
+        np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.x64
+def test_rbf_gradient_with_respect_to_points():
+    points, values, x = _data(6, n=40, q=3)
+
+    @jax.jit
+    def loss(points):
+        tree = kdeqx.KDTree(points)
+        return jnp.sum(tree.interpolate(x, values, k=8, kernel="rbf") ** 2)
+
+    # The tree is rebuilt at each step, so the neighbour choice is that of `points`
+    # (no neighbour changes within the finite-difference step).
+    grad = jax.grad(loss)(jnp.asarray(points))
+    expected = central_difference(loss, points)
+    # The thin-plate spline's third derivative is singular at coincident points:
+    # central differences are good to about 1e-5 here.
+    np.testing.assert_allclose(grad, expected, rtol=1e-4, atol=1e-8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "kernel, options",
+    [("rbf", {}), ("mls", {}), ("mls", {"exact": True, "degree": 2})],
+)
+def test_gradients_at_data_points_are_finite(kernel, options, dtype):
+    points, values, _ = _data(7, n=60)
+    points, values = points.astype(dtype), values.astype(dtype)
+    tree = kdeqx.KDTree(points)
+
+    def value(x):
+        return tree.interpolate(x, values, k=16, kernel=kernel, **options)
+
+    grads = jax.grad(lambda x: jnp.sum(value(x)))(jnp.asarray(points[:10]))
+    assert np.all(np.isfinite(grads))
+    if kernel == "rbf" or options.get("exact"):
+        tolerance = 1e-3 if dtype == np.float32 else 1e-6
+        np.testing.assert_allclose(value(points[:10]), values[:10], atol=tolerance)
+
+
+@pytest.mark.x64
+@pytest.mark.parametrize("degree", [0, 1, 2])
+def test_mls_reproduces_polynomials_of_its_degree(degree):
+    rng = np.random.default_rng(8)
+    points, x = rng.random((150, 2)), rng.random((20, 2))
+
+    def polynomial(p):
+        terms = [np.full(len(p), 0.7), 1.5 * p[:, 0] - p[:, 1], p[:, 0] * p[:, 1]]
+        return sum(terms[: degree + 1])
+
+    out = kdeqx.KDTree(points).interpolate(
+        x, polynomial(points), k=24, kernel="mls", degree=degree
+    )
+    np.testing.assert_allclose(out, polynomial(x), atol=1e-6)
+
+
+def _largest_steps(f, line, gradients=True):
+    """The largest change of `f` (batched over queries) and of its derivative along
+    `line` between neighbouring samples."""
+    values = np.asarray(jax.jit(f)(line))
+    if not gradients:
+        return np.abs(np.diff(values)).max(), None
+    direction = (line[1] - line[0]) / np.linalg.norm(line[1] - line[0])
+    # The gradient of the batched call, not a `vmap` of gradients (see `_dense.py`).
+    grads = jax.jit(jax.grad(lambda x: jnp.sum(f(x))))(line)
+    grads = np.asarray(grads) @ direction
+    assert np.all(np.isfinite(grads))
+    return np.abs(np.diff(values)).max(), np.abs(np.diff(grads)).max()
+
+
+@pytest.mark.x64
+@pytest.mark.parametrize("d", [1, 2])
+def test_mls_value_and_gradient_are_continuous(d):
+    """Along a dense line through the data, the largest change between neighbouring
+    samples shrinks in proportion to the step, for the value and for the gradient:
+    no jump anywhere, although the neighbour set changes many times. The same
+    measure catches the jumps of the local RBF (the test can fail)."""
+    rng = np.random.default_rng(9)
+    points = rng.random((300, d))
+    values = np.sin(5 * points[:, 0]) + (points[:, -1] ** 2 if d > 1 else 0)
+    tree = kdeqx.KDTree(points)
+    start, stop = np.full(d, 0.4), np.linspace(0.45, 0.47, d)
+
+    def line(samples):
+        t = np.linspace(0, 1, samples)[:, None]
+        return start + t * (stop - start)
+
+    def steps(kernel, samples):
+        def f(x):
+            return tree.interpolate(x, values, k=16, kernel=kernel)
+
+        return _largest_steps(f, line(samples), gradients=kernel == "mls")
+
+    # Fine enough to resolve the gradient's steepest turns (where a point enters the
+    # support of a small neighbourhood), which are steep but continuous.
+    coarse, fine = steps("mls", 5_000), steps("mls", 50_000)
+    for coarse_step, fine_step in zip(coarse, fine):
+        assert fine_step < 0.2 * coarse_step  # tenfold finer: about tenfold smaller
+    if d == 2:  # on this segment the 2-D local RBF's neighbour set changes
+        rbf_coarse, rbf_fine = steps("rbf", 5_000), steps("rbf", 50_000)
+        assert rbf_fine[0] > 0.5 * rbf_coarse[0]  # a jump does not shrink
+
+
+@pytest.mark.x64
+def test_mls_gradient_matches_finite_differences():
+    points, values, x = _data(10, n=120, q=4)
+    tree = kdeqx.KDTree(points)
+
+    @jax.jit
+    def loss(x, values):
+        return jnp.sum(tree.interpolate(x, values, k=16, kernel="mls") ** 2)
+
+    grads = jax.grad(loss, argnums=(0, 1))(jnp.asarray(x), jnp.asarray(values))
+    np.testing.assert_allclose(
+        grads[0],
+        central_difference(lambda a: loss(a, values), x),
+        rtol=1e-5,
+        atol=1e-8,
+    )
+    np.testing.assert_allclose(
+        grads[1],
+        central_difference(lambda a: loss(x, a), values),
+        rtol=1e-5,
+        atol=1e-8,
+    )
+
+
+@pytest.mark.x64
+@pytest.mark.parametrize("kernel", ["rbf", "mls"])
+def test_local_fits_in_a_periodic_box_see_the_images(kernel):
+    """In a periodic box, the fit near the boundary equals the fit from an open tree
+    over the data with its images on every side."""
+    rng = np.random.default_rng(11)
+    points = rng.random((150, 2))
+    values = np.cos(2 * np.pi * points[:, 0]) * np.sin(2 * np.pi * points[:, 1])
+    shifts = np.array([(i, j) for i in (-1, 0, 1) for j in (-1, 0, 1)], float)
+    tiled = (points[None] + shifts[:, None]).reshape(-1, 2)
+    x = np.array([[0.01, 0.5], [0.99, 0.98], [0.5, 0.003]])
+    periodic = kdeqx.KDTree(points, box=1.0).interpolate(x, values, k=14, kernel=kernel)
+    open_tree = kdeqx.KDTree(tiled).interpolate(
+        x, np.tile(values, 9), k=14, kernel=kernel
+    )
+    np.testing.assert_allclose(periodic, open_tree, rtol=1e-9, atol=1e-12)
+
+
+def test_interpolator_trains_local_kernels_and_maps():
+    points, values, x = _data(12, n=100)
+    points, values, x = (a.astype(np.float32) for a in (points, values, x))
+    model = kdeqx.Interpolator(
+        kdeqx.KDTree(points),
+        values,
+        k=12,
+        kernel="rbf",
+        rbf="gaussian",
+        epsilon=4.0,
+        smoothing=0.01,
+    )
+
+    @eqx.filter_jit
+    def loss(model, x):
+        return jnp.mean((model(x) - 1.0) ** 2)
+
+    grads = eqx.filter_grad(loss)(model, x)
+    for grad in (grads.values, grads.epsilon, grads.smoothing):
+        assert np.all(np.isfinite(grad)) and np.any(grad != 0)
+    batched = jax.vmap(model)(x.reshape(5, 5, 2))
+    np.testing.assert_allclose(batched.reshape(-1), model(x), rtol=1e-6)
+    mls = kdeqx.Interpolator(kdeqx.KDTree(points), values, k=12, kernel="mls")
+    assert np.all(np.isfinite(eqx.filter_grad(loss)(mls, x).values))
+
+
+def test_bad_local_fit_arguments_raise():
+    points, values, x = _data(13, n=30)
+    tree = kdeqx.KDTree(points)
+    # A ValueError, or the test run's type checker's TypeError first.
+    with pytest.raises((ValueError, TypeError), match="rbf|cubical"):
+        tree.interpolate(x, values, kernel="rbf", rbf="cubical")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="epsilon"):
+        tree.interpolate(x, values, kernel="rbf", rbf="gaussian")
+    with pytest.raises(ValueError, match="epsilon"):
+        tree.interpolate(x, values, kernel="rbf", epsilon=-1.0)
+    with pytest.raises(ValueError, match="At least 6 neighbours"):
+        tree.interpolate(x, values, k=5, kernel="rbf", degree=2)
+    with pytest.raises(ValueError, match="degree"):
+        tree.interpolate(x, values, kernel="rbf", degree=-2)
+    with pytest.raises(ValueError, match="smoothing"):
+        tree.interpolate(x, values, kernel="rbf", smoothing=-0.1)
+    with pytest.raises(ValueError, match="smoothing"):
+        tree.interpolate(x, values, kernel="rbf", smoothing=np.zeros(3))
+    with pytest.raises(ValueError, match="Euclidean"):
+        tree.interpolate(x, values, kernel="mls", p=1)
+    with pytest.raises(ValueError, match="degree 0, 1 or 2"):
+        tree.interpolate(x, values, kernel="mls", degree=3)
+    with pytest.raises(ValueError, match="k >= 2"):
+        tree.interpolate(x, values, kernel="mls", k=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tree.interpolate(x, values, kernel="rbf", degree=0)
+    assert any("should not be below 1" in str(w.message) for w in caught)
