@@ -102,9 +102,26 @@ def interpolate_locally(
     s = flat_values.shape[1]
     value_rows, extra_rows = rows[..., d : d + s], rows[..., d + s :]
 
-    fitted = jax.lax.map(
-        lambda arrays: fit.fit(*arrays),
-        (offsets, value_rows, extra_rows),
-        batch_size=_CHUNK,
-    )
+    fitted = _map_in_chunks(fit.fit, (offsets, value_rows, extra_rows))
     return fitted.reshape(*batch, *values.shape[1:])
+
+
+def _map_in_chunks(fn, arrays):
+    """`vmap(fn)` over the leading axis, in sequential chunks of at most `_CHUNK`.
+
+    The queries are padded (with copies of the first) to whole chunks rather than
+    leaving a remainder: a remainder is a second, independent batch of LAPACK solves,
+    and two of those in one program can deadlock on XLA:CPU (see `_dense.py`).
+    """
+    q = arrays[0].shape[0]
+    chunk = max(1, min(_CHUNK, q))
+    chunks = -(-q // chunk)
+    padded = [
+        jnp.concatenate(
+            [a, jnp.broadcast_to(a[:1], (chunks * chunk - q, *a.shape[1:]))]
+        )
+        for a in arrays
+    ]
+    shaped = [a.reshape(chunks, chunk, *a.shape[1:]) for a in padded]
+    fitted = jax.lax.map(lambda parts: jax.vmap(fn)(*parts), shaped)
+    return fitted.reshape(chunks * chunk, *fitted.shape[2:])[:q]

@@ -155,6 +155,12 @@ def test_one_device_ball_query_and_interpolator_match_one_tree():
         kdeqx.Interpolator(tree, values, k=3)(x),
         exact=False,
     )
+    for kernel in ("rbf", "mls"):
+        _assert_same(
+            sharded.interpolate(x, values, k=12, kernel=kernel),
+            tree.interpolate(x, values, k=12, kernel=kernel),
+            exact=False,
+        )
     empty = ShardedKDTree(np.zeros((0, 2)), _one_device_mesh())
     distances, indices, counts = empty.query_ball_point(x, 1.0, 3)
     assert np.all(np.isinf(distances)) and np.all(indices == 0)
