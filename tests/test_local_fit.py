@@ -186,14 +186,19 @@ def test_gradients_at_data_points_are_finite(kernel, options, dtype):
     points, values = points.astype(dtype), values.astype(dtype)
     tree = kdeqx.KDTree(points)
 
-    def value(x):
-        return tree.interpolate(x, values, k=16, kernel=kernel, **options)
+    @jax.jit  # one program: compiling is what costs here
+    def value_and_gradients(x):
+        def value(x):
+            return tree.interpolate(x, values, k=16, kernel=kernel, **options)
 
-    grads = jax.grad(lambda x: jnp.sum(value(x)))(jnp.asarray(points[:10]))
+        out, pullback = jax.vjp(value, x)
+        return out, pullback(jnp.ones_like(out))[0]
+
+    out, grads = value_and_gradients(jnp.asarray(points[:10]))
     assert np.all(np.isfinite(grads))
     if kernel == "rbf" or options.get("exact"):
         tolerance = 1e-3 if dtype == np.float32 else 1e-6
-        np.testing.assert_allclose(value(points[:10]), values[:10], atol=tolerance)
+        np.testing.assert_allclose(out, values[:10], atol=tolerance)
 
 
 @pytest.mark.x64
@@ -212,18 +217,32 @@ def test_mls_reproduces_polynomials_of_its_degree(degree):
     np.testing.assert_allclose(out, polynomial(x), atol=1e-6)
 
 
-def _largest_steps(f, line, gradients=True):
-    """The largest change of `f` (batched over queries) and of its derivative along
-    `line` between neighbouring samples."""
-    values = np.asarray(jax.jit(f)(line))
-    if not gradients:
-        return np.abs(np.diff(values)).max(), None
-    direction = (line[1] - line[0]) / np.linalg.norm(line[1] - line[0])
-    # The gradient of the batched call, not a `vmap` of gradients (see `_dense.py`).
-    grads = jax.jit(jax.grad(lambda x: jnp.sum(f(x))))(line)
-    grads = np.asarray(grads) @ direction
-    assert np.all(np.isfinite(grads))
-    return np.abs(np.diff(values)).max(), np.abs(np.diff(grads)).max()
+def _largest_steps(f, lines, gradients=True, chunk=5_000):
+    """For each line, the largest change of `f` (batched over queries) and of its
+    derivative along the line between neighbouring samples. Lines are evaluated in
+    chunks of one shape: one compiled program for all of them."""
+
+    @jax.jit
+    def values_and_slopes(x, direction):
+        if not gradients:
+            return f(x), None
+        # The gradient of the batched call, not a `vmap` of gradients (see
+        # `_dense.py`).
+        values, pullback = jax.vjp(f, x)
+        return values, pullback(jnp.ones_like(values))[0] @ direction
+
+    def largest(line):
+        direction = (line[1] - line[0]) / np.linalg.norm(line[1] - line[0])
+        parts = np.split(line, len(line) // chunk)
+        pieces = [values_and_slopes(part, direction) for part in parts]
+        values = np.concatenate([np.asarray(v) for v, _ in pieces])
+        if not gradients:
+            return np.abs(np.diff(values)).max(), None
+        slopes = np.concatenate([np.asarray(g) for _, g in pieces])
+        assert np.all(np.isfinite(slopes))
+        return np.abs(np.diff(values)).max(), np.abs(np.diff(slopes)).max()
+
+    return [largest(line) for line in lines]
 
 
 @pytest.mark.x64
@@ -243,19 +262,20 @@ def test_mls_value_and_gradient_are_continuous(d):
         t = np.linspace(0, 1, samples)[:, None]
         return start + t * (stop - start)
 
-    def steps(kernel, samples):
+    def steps(kernel):
         def f(x):
             return tree.interpolate(x, values, k=16, kernel=kernel)
 
-        return _largest_steps(f, line(samples), gradients=kernel == "mls")
+        # Fine enough to resolve the gradient's steepest turns (where a point enters
+        # the support of a small neighbourhood), which are steep but continuous.
+        lines = line(5_000), line(50_000)
+        return _largest_steps(f, lines, gradients=kernel == "mls")
 
-    # Fine enough to resolve the gradient's steepest turns (where a point enters the
-    # support of a small neighbourhood), which are steep but continuous.
-    coarse, fine = steps("mls", 5_000), steps("mls", 50_000)
+    coarse, fine = steps("mls")
     for coarse_step, fine_step in zip(coarse, fine):
         assert fine_step < 0.2 * coarse_step  # tenfold finer: about tenfold smaller
     if d == 2:  # on this segment the 2-D local RBF's neighbour set changes
-        rbf_coarse, rbf_fine = steps("rbf", 5_000), steps("rbf", 50_000)
+        rbf_coarse, rbf_fine = steps("rbf")
         assert rbf_fine[0] > 0.5 * rbf_coarse[0]  # a jump does not shrink
 
 
@@ -321,8 +341,8 @@ def test_interpolator_trains_local_kernels_and_maps():
     grads = eqx.filter_grad(loss)(model, x)
     for grad in (grads.values, grads.epsilon, grads.smoothing):
         assert np.all(np.isfinite(grad)) and np.any(grad != 0)
-    batched = jax.vmap(model)(x.reshape(5, 5, 2))
-    np.testing.assert_allclose(batched.reshape(-1), model(x), rtol=1e-6)
+    batched = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))(model, x.reshape(5, 5, 2))
+    np.testing.assert_allclose(batched.reshape(-1), eqx.filter_jit(model)(x), rtol=1e-6)
     mls = kdeqx.Interpolator(kdeqx.KDTree(points), values, k=12, kernel="mls")
     assert np.all(np.isfinite(eqx.filter_grad(loss)(mls, x).values))
 
