@@ -8,9 +8,10 @@ float64 only). Each row is timed best of `--repeats` with every core, then pinne
 core 0 (`_timing.cores`, as `taskset -c 0`); matscipy is single-threaded.
 
 - `build cubic` / `build triclinic`: the whole graph, both directions, with shifts.
-  kdeqx `radius_graph` (jitted) against matscipy `neighbour_list("ijS")` and, in the
-  cubic box, jax-md's `neighbor_list` rebuilt inside `jit` (its `update` with a zero
-  skin, cell list on; Dense and Sparse formats).
+  kdeqx `radius_graph` (jitted) against matscipy `neighbour_list("ijS")` and
+  jax-md's `neighbor_list` rebuilt inside `jit` (its `update` with a zero skin, cell
+  list on; Dense and Sparse formats; in the triclinic cell `periodic_general` with
+  fractional coordinates, as jax-md requires for it).
 - `compile`: trace and compile time of `radius_graph` and `knn_graph` for n = 8e3,
   1e5 and 1e6 points (not run).
 - `update`: 100 MD-like steps in one jitted `lax.scan` where nobody moves past half
@@ -67,16 +68,31 @@ def build_task(n: int, triclinic: bool, rng):
             "ijS", positions=x.astype(np.float64), cell=cell, pbc=[True] * 3, cutoff=r
         ),
     }
-    if not triclinic:
-        for name, rebuild in _jax_md_rebuilds(x, cell[0, 0], r, skin=0.0).items():
-            implementations[name] = rebuild
+    rebuilds, edges = _jax_md_rebuilds(x, cell, r, skin=0.0)
+    implementations.update(rebuilds)
+    note += " jax-md " + " ".join(str(e) for e in edges)
     return implementations, note
 
 
-def _jax_md_lists(x, side, r, skin):
-    from jax_md import partition, space
+def _jax_md_space(x, cell):
+    """jax-md's displacement, box and positions for `cell` (rows = cell vectors): a
+    cube as `space.periodic`, any other cell as `space.periodic_general` with
+    fractional coordinates (jax-md's box has the cell vectors as columns)."""
+    from jax_md import space
 
-    displacement, _ = space.periodic(side)
+    if np.allclose(cell, cell[0, 0] * np.eye(3)):
+        side = float(cell[0, 0])
+        return space.periodic(side)[0], side, jnp.asarray(x), False
+    box = jnp.asarray(cell.T)
+    fractional = jnp.asarray((x @ np.linalg.inv(cell)) % 1.0)
+    displacement, _ = space.periodic_general(box, fractional_coordinates=True)
+    return displacement, box, fractional, True
+
+
+def _jax_md_lists(x, cell, r, skin):
+    from jax_md import partition
+
+    displacement, box, positions, fractional = _jax_md_space(x, cell)
     lists = {}
     for name, form in (
         ("jax-md Dense", partition.Dense),
@@ -84,24 +100,30 @@ def _jax_md_lists(x, side, r, skin):
     ):
         neighbor_fn = partition.neighbor_list(
             displacement,
-            side,
+            box,
             r,
             dr_threshold=skin,
             format=form,
             capacity_multiplier=1.15,
+            fractional_coordinates=fractional,
         )
-        lists[name] = (neighbor_fn, neighbor_fn.allocate(jnp.asarray(x)))
-    return lists
+        lists[name] = (neighbor_fn, neighbor_fn.allocate(positions))
+    return lists, positions
 
 
-def _jax_md_rebuilds(x, side, r, skin):
-    rebuilds = {}
-    moved = jnp.asarray(x) + 1e-3
-    for name, (neighbor_fn, nbrs) in _jax_md_lists(x, side, r, skin).items():
+def _jax_md_rebuilds(x, cell, r, skin):
+    """jax-md's list rebuilt inside `jit` (its `update` with a zero skin, for
+    positions moved a little), and its edge count, per format."""
+    rebuilds, edges = {}, []
+    lists, positions = _jax_md_lists(x, cell, r, skin)
+    moved = positions + 1e-5
+    for name, (neighbor_fn, nbrs) in lists.items():
         update = jax.jit(lambda y, nbrs, fn=neighbor_fn: fn.update(y, nbrs).idx)
-        update(moved, nbrs)
+        idx = update(moved, nbrs)
+        senders = idx[0] if name.endswith("Sparse") else idx
+        edges.append(int(jnp.sum(senders < len(x))))
         rebuilds[name] = lambda update=update, nbrs=nbrs: update(moved, nbrs)
-    return rebuilds
+    return rebuilds, edges
 
 
 def update_task(n: int, rng):
@@ -136,7 +158,7 @@ def update_task(n: int, rng):
 
     displacement, _ = space.periodic(side)
     pairwise = space.map_bond(displacement)
-    for name, (neighbor_fn, nbrs) in _jax_md_lists(x, side, r, skin).items():
+    for name, (neighbor_fn, nbrs) in _jax_md_lists(x, cell, r, skin)[0].items():
         dense = name.endswith("Dense")
 
         @jax.jit

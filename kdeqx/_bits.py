@@ -12,13 +12,18 @@ WORD = 32
 def bitmasks(flags: Bool[Array, "*rows columns"]) -> UInt[Array, "*rows words"]:
     """Each row of flags as 32-bit words, column `c` at bit `c % 32` of word
     `c // 32`."""
-    *rows, columns = flags.shape
-    words = -(-columns // WORD)
-    padding = [(0, 0)] * len(rows) + [(0, words * WORD - columns)]
-    bits = jnp.pad(flags, padding).reshape(*rows, words, WORD).astype(jnp.uint32)
-    # The bits are disjoint: their sum sets them.
-    shifts = jnp.arange(WORD, dtype=jnp.uint32)
-    return jnp.sum(bits << shifts, axis=-1, dtype=jnp.uint32)
+    columns = flags.shape[-1]
+
+    def word(first: int):
+        bits = flags[..., first : first + WORD].astype(jnp.uint32)
+        # The bits are disjoint: their sum sets them.
+        shifts = jnp.arange(bits.shape[-1], dtype=jnp.uint32)
+        return jnp.sum(bits << shifts, axis=-1, dtype=jnp.uint32)
+
+    # Word by word, without padding the flags to whole words: a padded operand
+    # kept XLA:CPU from fusing the flags into the sum (a walk with 24-point leaves
+    # ran ~4x slower than with 32).
+    return jnp.stack([word(first) for first in range(0, columns, WORD)], axis=-1)
 
 
 def nth_set_bit(words: UInt[Array, "*shape"], n: Int[Array, "*shape"]):
