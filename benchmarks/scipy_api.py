@@ -11,9 +11,9 @@ single-threaded in scipy); pykdtree joins where it has the option (`eps`).
 - `count_neighbors`: two trees of 1e5 points, 20 radii (logspace from 1e-3 to
     `--rmax`), unweighted; the counts are compared with scipy's.
 - `query_pairs`: n = 1e5, the radius that gives about 10 pairs `i < j` per point
-    (20 neighbours each; until 2026-12-02 it was 10 neighbours); kdeqx's sorted pairs against scipy's
-    `output_type="ndarray"` (its fastest, unsorted), the same sorted by numpy (kdeqx's
-    output) and its default set.
+    (20 neighbours each; until 2026-12-02 it was 10 neighbours); kdeqx's sorted
+    pairs against scipy's `output_type="ndarray"` (its fastest, unsorted), the same
+    sorted by numpy (kdeqx's output) and its default set.
 - `self_matrix`: `sparse_distance_matrix` of that tree with itself (scipy's idiom for
     one set's sparse matrix), against scipy's `coo_matrix` and `ndarray` outputs.
 - `query p=1`, `query p=inf`: n = 1e6, Q = 1e5, k = 8.
