@@ -1,9 +1,12 @@
-"""The seed user's size: 14 million 3-D points, 1e5 queries, kNN and IDW interpolation.
+"""The seed user's size: 14 million 3-D points, 1e5 queries, kNN and interpolation.
 
     /usr/bin/time -v python benchmarks/large.py [--n 1.4e7] [--queries 1e5]
+        [--local-kernels mls rbf] [--local-k 32]
 
-Prints build, query and interpolation times beside scipy's, and this process's peak
-resident memory (run under `/usr/bin/time -v` for the same figure from outside).
+Prints build, query and interpolation times beside scipy's (IDW with k = `--k`, and
+the local fits `--local-kernels` with `--local-k` neighbours, with their RMSE against
+the sampled field), and this process's peak resident memory (run under
+`/usr/bin/time -v` for the same figure from outside).
 """
 
 import argparse
@@ -38,6 +41,8 @@ def main():
     parser.add_argument("--n", type=float, default=1.4e7)
     parser.add_argument("--queries", type=float, default=1e5)
     parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--local-kernels", nargs="*", default=["mls"])
+    parser.add_argument("--local-k", type=int, default=32)
     parser.add_argument("--skip-scipy", action="store_true")
     args = parser.parse_args()
     n, q, k = int(args.n), int(args.queries), args.k
@@ -57,6 +62,18 @@ def main():
     _, query_time = timed("kdeqx query (steady)", lambda: query(tree, x))
     _, _ = timed("kdeqx IDW (first call)", lambda: idw(tree, x, values))
     field, idw_time = timed("kdeqx IDW (steady)", lambda: idw(tree, x, values))
+    truth = np.sin(10 * x[:, 0])
+    print(f"{'IDW RMSE against the field':<40}{_rmse(field, truth):9.2e}")
+    for kernel in args.local_kernels:
+        local = eqx.filter_jit(
+            lambda t, x, v, kernel=kernel: t.interpolate(
+                x, v, k=args.local_k, kernel=kernel
+            )
+        )
+        label = f"kdeqx {kernel} k={args.local_k}"
+        timed(f"{label} (first call)", lambda: local(tree, x, values))
+        fitted, _ = timed(f"{label} (steady)", lambda: local(tree, x, values))
+        print(f"{label + ' RMSE against the field':<40}{_rmse(fitted, truth):9.2e}")
     if args.skip_scipy:
         return
     reference, scipy_build = timed("scipy build", lambda: cKDTree(points))
@@ -75,6 +92,10 @@ def main():
     )
     print(f"distances match scipy: {np.allclose(distances, ref_d, rtol=1e-5)}")
     print(f"IDW max |difference|: {np.abs(np.asarray(field) - ref_field).max():.2e}")
+
+
+def _rmse(field, truth) -> float:
+    return float(np.sqrt(np.mean((np.asarray(field, np.float64) - truth) ** 2)))
 
 
 if __name__ == "__main__":
