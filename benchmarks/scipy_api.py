@@ -13,7 +13,8 @@ single-threaded in scipy); pykdtree joins where it has the option (`eps`).
 - `query_pairs`: n = 1e5, the radius that gives about 10 pairs `i < j` per point
     (20 neighbours each; until 2026-12-02 it was 10 neighbours); kdeqx's sorted
     pairs against scipy's `output_type="ndarray"` (its fastest, unsorted), the same
-    sorted by numpy (kdeqx's output) and its default set.
+    sorted by numpy (kdeqx's output) and its default set; `query_pairs unsorted`:
+    the same with kdeqx's `sort=False` (the walk's order, like scipy's ndarray).
 - `self_matrix`: `sparse_distance_matrix` of that tree with itself (scipy's idiom for
     one set's sparse matrix), against scipy's `coo_matrix` and `ndarray` outputs.
 - `query p=1`, `query p=inf`: n = 1e6, Q = 1e5, k = 8.
@@ -62,10 +63,11 @@ def _ten_pairs_per_point(rng):
     return kdeqx.KDTree(points), cKDTree(points), r
 
 
-def query_pairs_task(rng):
+def query_pairs_task(rng, sort=True):
     tree, reference, r = _ten_pairs_per_point(rng)
     expected = reference.query_pairs(r, output_type="ndarray")
-    pairs = eqx.filter_jit(lambda t: t.query_pairs(r, int(1.2 * len(expected))))
+    capacity = int(1.2 * len(expected))
+    pairs = eqx.filter_jit(lambda t: t.query_pairs(r, capacity, sort=sort))
     found, _, count = pairs(tree)
     same = kdeqx.pair_set(found, count) == reference.query_pairs(r)
     note = f" | {len(expected):,} pairs, r = {r:.4f}, same set as scipy: {same}"
@@ -142,6 +144,7 @@ def query_task(rng, *, p=2.0, eps=0.0):
 TASKS = {
     "count_neighbors": lambda rng, args: count_neighbors_task(rng, args.rmax),
     "query_pairs": lambda rng, args: query_pairs_task(rng),
+    "query_pairs unsorted": lambda rng, args: query_pairs_task(rng, sort=False),
     "self_matrix": lambda rng, args: self_matrix_task(rng),
     "query p=1": lambda rng, args: query_task(rng, p=1.0),
     "query p=inf": lambda rng, args: query_task(rng, p=np.inf),

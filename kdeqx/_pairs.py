@@ -195,9 +195,14 @@ def _last_leaves(tree: "KDTree") -> Int[Array, " nodes"]:
 
 @eqx.filter_jit
 def self_pairs(
-    tree: "KDTree", r: Float[Array, ""], capacity: int, metric: Minkowski
+    tree: "KDTree",
+    r: Float[Array, ""],
+    capacity: int,
+    metric: Minkowski,
+    sort: bool = True,
 ) -> Pairs:
-    """The pairs `i < j` of the tree's points within `r`, sorted (`Pairs`).
+    """The pairs `i < j` of the tree's points within `r`, sorted unless `sort` is
+    False (then in the walk's order, padding last) (`Pairs`).
 
     Each leaf walks the tree as one query (a `Block`, bounded box to box), so the
     walk and its pruning are paid per leaf rather than per point, and a visit
@@ -208,7 +213,8 @@ def self_pairs(
     if n < 2:
         return no_pairs(n, n, capacity, tree.dtype, index_dtype)
     rows, cols, count = _pairs_in_order_met(tree, r, capacity, metric)
-    rows, cols = sort_index_pairs(rows, cols)
+    if sort:
+        rows, cols = sort_index_pairs(rows, cols)
     return Pairs(rows, cols, _distances_within(tree, rows, cols, metric), count)
 
 

@@ -190,7 +190,8 @@ class ShardedKDTree(AbstractKDTree):
     def _pairs(self, x, r, capacity, metric, above):
         return _merged_pairs(self, x, r, capacity, metric, above)
 
-    def _self_pairs(self, r, capacity, metric):
+    def _self_pairs(self, r, capacity, metric, sort):
+        del sort  # the merge of every device's pairs sorts them anyway
         return self._pairs(self._points(), r, capacity, metric, True)
 
     def _self_matrix(self, r, capacity, metric):

@@ -355,6 +355,7 @@ class AbstractKDTree(eqx.Module):
         p: int | float = 2.0,
         eps: float | ArrayLike = 0.0,
         raise_on_overflow: bool = False,
+        sort: bool = True,
     ) -> tuple[Int[Array, "max_pairs 2"], Float[Array, " max_pairs"], Int[Array, ""]]:
         """All pairs of points `i < j` at distance at most `r` (scipy's
         `query_pairs`), in a fixed capacity.
@@ -368,19 +369,27 @@ class AbstractKDTree(eqx.Module):
             `r / (1 + eps)` is found, and no pair beyond `r`.
         - `raise_on_overflow`: if `True`, more than `max_pairs` pairs raise a runtime
             error (via `eqx.error_if`) instead of being cut off.
+        - `sort`: a static bool. `True` orders the pairs by `i`, then `j`. `False`
+            leaves them in the order the walk met them (the same for the same tree
+            on the same backend, otherwise unspecified, like scipy's
+            `output_type="ndarray"`), which spares the sort of `max_pairs` keys:
+            about half of this query's time on a CPU. A `ShardedKDTree` sorts
+            either way.
 
         **Returns:**
 
-        `(pairs, distances, count)`: `pairs` of shape `(max_pairs, 2)`, ordered by
-        `i` then `j` and padded with `(n, n)`; their distances (differentiable,
-        `inf` at padding); and the true number of pairs, an integer scalar that may
-        exceed `max_pairs`. On overflow the pairs kept are those the walk met first,
-        in order. `kdeqx.pair_set(pairs, count)` gives scipy's set of tuples.
+        `(pairs, distances, count)`: `pairs` of shape `(max_pairs, 2)`, each with
+        `i < j`, ordered as `sort` says, padding `(n, n)` last; their distances
+        (differentiable, `inf` at padding); and the true number of pairs, an integer
+        scalar that may exceed `max_pairs`. On overflow the pairs kept are those the
+        walk met first. `kdeqx.pair_set(pairs, count)` gives scipy's set of tuples.
         """
         max_pairs = check_static_int("max_pairs", max_pairs, 1)
         metric = check_norm(p, eps)
         r = check_scalar_radius("r", r, self.dtype)
-        found = self._self_pairs(r, max_pairs, metric)
+        if not isinstance(sort, bool):
+            raise TypeError(f"`sort` must be a Python bool, got {sort!r}.")
+        found = self._self_pairs(r, max_pairs, metric, sort)
         distances = _checked_capacity(
             found.distances,
             found.count,
@@ -566,9 +575,10 @@ class AbstractKDTree(eqx.Module):
 
     @abc.abstractmethod
     def _self_pairs(
-        self, r: Float[Array, ""], capacity: int, metric: Minkowski
+        self, r: Float[Array, ""], capacity: int, metric: Minkowski, sort: bool
     ) -> _pairs_module.Pairs:
-        """The pairs of points `i < j` within `r`, sorted, in `capacity`."""
+        """The pairs of points `i < j` within `r` in `capacity`, sorted (or, if
+        `sort` is False, in any order, padding last)."""
 
     @abc.abstractmethod
     def _self_matrix(
@@ -702,8 +712,8 @@ class KDTree(AbstractKDTree):
     def _pairs(self, x, r, capacity, metric, above):
         return _pairs_module.pairs_within(self, x, r, capacity, metric, above)
 
-    def _self_pairs(self, r, capacity, metric):
-        return _pairs_module.self_pairs(self, r, capacity, metric)
+    def _self_pairs(self, r, capacity, metric, sort):
+        return _pairs_module.self_pairs(self, r, capacity, metric, sort)
 
     def _self_matrix(self, r, capacity, metric):
         return _pairs_module.self_matrix(self, r, capacity, metric)

@@ -97,6 +97,37 @@ def test_query_pairs_with_any_leaf_size_on_hostile_data(leaf_size):
         np.testing.assert_allclose(distances[: len(expected)], true, atol=1e-12)
 
 
+@pytest.mark.x64
+def test_unsorted_query_pairs_are_the_same_pairs_in_walk_order():
+    points, _ = two_sets(np.float64, duplicates=True)
+    tree = kdeqx.KDTree(points)
+    unsorted = eqx.filter_jit(lambda t, c: t.query_pairs(0.12, c, sort=False))
+    pairs, distances, count = unsorted(tree, 4000)
+    expected = cKDTree(points).query_pairs(0.12, output_type="ndarray")
+    m = int(count)
+    assert m == len(expected)
+    found = np.asarray(pairs)
+    assert np.all(found[:m, 0] < found[:m, 1]) and np.all(found[m:] == N)
+    assert not np.all(np.diff(found[:m, 0] * N + found[:m, 1]) > 0)  # not sorted
+    order = np.lexsort((found[:m, 1], found[:m, 0]))
+    np.testing.assert_array_equal(found[:m][order], pairs_of(tree, 0.12, 4000)[0][:m])
+    true = all_distances(points, points, 2.0)[found[:m, 0], found[:m, 1]]
+    np.testing.assert_allclose(distances[:m], true, rtol=1e-12)
+    assert np.all(np.isinf(distances[m:]))
+    # Cut off: real pairs, the true count.
+    kept, _, count = unsorted(tree, 10)
+    assert int(count) == m
+    assert kdeqx.pair_set(kept, 10) <= kdeqx.pair_set(pairs, m)
+    # A sharded tree sorts either way.
+    sharded = kdeqx.ShardedKDTree(points[:60], jax.make_mesh((1,), ("shards",)))
+    np.testing.assert_array_equal(
+        sharded.query_pairs(0.2, 200, sort=False)[0],
+        kdeqx.KDTree(points[:60]).query_pairs(0.2, 200)[0],
+    )
+    with pytest.raises(TypeError, match="sort"):
+        tree.query_pairs(0.12, 10, sort=1)  # type: ignore[arg-type]
+
+
 def test_query_pairs_overflow_keeps_the_count_and_can_raise():
     points, _ = two_sets(np.float32)
     tree = kdeqx.KDTree(points)
