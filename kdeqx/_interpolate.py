@@ -10,7 +10,6 @@ import jax.numpy as jnp
 
 from ._custom_types import Array, ArrayLike, Bool, Float
 from ._local import AbstractLocalFit
-from ._metric import check_norm
 from ._mls import MovingLeastSquares
 from ._rbf import check_rbf, LocalRbf, needs_epsilon, Radial
 from ._validate import (
@@ -185,8 +184,9 @@ class Interpolator(eqx.Module):
         self.values = check_values(values, tree.n)
         dtype = self.values.dtype
         self.k = check_static_int("k", k, 1)
-        self.p = check_norm(p, 0.0).p
-        kernel_method(
+        _, metric, _ = tree._interpolation_kernel(
+            self.k,
+            p,
             kernel,
             power=power,
             length_scale=length_scale,
@@ -195,12 +195,8 @@ class Interpolator(eqx.Module):
             degree=degree,
             smoothing=smoothing,
             exact=exact,
-            p=self.p,
-            k=max(1, min(self.k, tree.n)),
-            n=tree.n,
-            d=tree.d,
-            dtype=dtype,
         )
+        self.p = metric.p
         self.tree = tree
         self.length_scale = _optional_leaf(length_scale, dtype)
         self.epsilon = _optional_leaf(epsilon, dtype)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from ._custom_types import Array, Float
-from ._metric import minimum_image, Minkowski
+from ._metric import EUCLIDEAN, minimum_image, Minkowski
 
 
 if TYPE_CHECKING:
@@ -74,12 +74,10 @@ def monomials(
 
 
 def squared_norms(offsets: Float[Array, "*batch d"]) -> Float[Array, "*batch"]:
-    """`|offset|^2`, summed axis by axis (faster on XLA:CPU than a reduction over a
-    short last axis, and without a square root)."""
-    total = offsets[..., 0] ** 2
-    for axis in range(1, offsets.shape[-1]):
-        total = total + offsets[..., axis] ** 2
-    return total
+    """`|offset|^2`, by the metric's axis-by-axis sum (no square root)."""
+    return EUCLIDEAN.powered_of_axes(
+        [offsets[..., a] for a in range(offsets.shape[-1])]
+    )
 
 
 def interpolate_locally(

@@ -16,6 +16,7 @@ from ._local import (
     monomials,
     squared_norms,
 )
+from ._metric import EUCLIDEAN
 
 
 Radial = Literal[
@@ -98,11 +99,7 @@ def needs_epsilon(rbf: str) -> bool:
 
 def _pairwise_squared(offsets: Float[Array, "k d"]) -> Float[Array, "k k"]:
     """Squared distances between the neighbours, axis by axis (0 on the diagonal)."""
-    total = jnp.zeros((offsets.shape[0],) * 2, offsets.dtype)
-    for axis in range(offsets.shape[-1]):
-        column = offsets[:, axis]
-        total = total + (column[:, None] - column[None, :]) ** 2
-    return total
+    return EUCLIDEAN.powered_of_axes([c[:, None] - c[None, :] for c in offsets.T])
 
 
 class LocalRbf(AbstractLocalFit):

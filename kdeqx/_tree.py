@@ -287,9 +287,9 @@ class AbstractKDTree(eqx.Module):
         """
         if self.n == 0:
             raise ValueError("Cannot interpolate from an empty tree (n = 0).")
-        k = _findable(check_static_int("k", k, 1), self.n)
-        metric = check_norm(p, 0.0)
-        method = _interpolate.kernel_method(
+        k, metric, method = self._interpolation_kernel(
+            k,
+            p,
             kernel,
             power=power,
             length_scale=length_scale,
@@ -298,11 +298,6 @@ class AbstractKDTree(eqx.Module):
             degree=degree,
             smoothing=smoothing,
             exact=exact,
-            p=metric.p,
-            k=k,
-            n=self.n,
-            d=self.d,
-            dtype=self.dtype,
         )
         values = check_values(values, self.n)
         x = self._check_queries(x)
@@ -310,6 +305,18 @@ class AbstractKDTree(eqx.Module):
             return interpolate_locally(self, x, values, k, metric, method)
         distances, indices, rows = self._knn_rows(x, k, values, metric)
         return _interpolate.weighted_mean(method(distances, indices < self.n), rows)
+
+    def _interpolation_kernel(
+        self, k: int, p: int | float, kernel: _interpolate.Kernel, **options
+    ) -> tuple[int, Minkowski, _interpolate.Weights | AbstractLocalFit]:
+        """`(k, metric, method)` for `interpolate`: the neighbours a query gets, the
+        norm, and the kernel with its options (those of `interpolate`) checked."""
+        k = _findable(check_static_int("k", k, 1), self.n)
+        metric = check_norm(p, 0.0)
+        method = _interpolate.kernel_method(
+            kernel, **options, p=metric.p, k=k, n=self.n, d=self.d, dtype=self.dtype
+        )
+        return k, metric, method
 
     def query_ball_tree(
         self,
