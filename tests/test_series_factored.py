@@ -287,22 +287,31 @@ def test_program_size_does_not_grow_with_order(factored):
 
 @pytest.mark.x64
 @pytest.mark.parametrize("chunk", [1, 2, 3, 4, 16])
-def test_cauchy_product_in_chunks(chunk):
+@pytest.mark.parametrize("hermitian", [False, True])
+def test_cauchy_product_in_chunks(chunk, hermitian):
     """`Y[m] = sum_a W[a] P[m - a]` against numpy for every chunk size (the default
-    depends on n), with coefficients spanning 2^-600..2^0 and a zero row."""
+    depends on n), with coefficients spanning 2^-600..2^0 and a zero row; with
+    `hermitian`, `W = B^H` and `P = A B` for a Hermitian `A`, whose products pair up
+    as adjoints."""
     rng = np.random.default_rng(7)
     length, n = 11, 3
 
-    def scaled():
+    def random_scaled():
         mantissa = rng.normal(size=(length, n, n)) + 1j * rng.normal(
             size=(length, n, n)
         )
         exponent = -rng.integers(0, 60, length) * np.arange(length)
         mantissa[4] = 0
-        return Scaled.of(jnp.asarray(mantissa * np.ldexp(1.0, exponent)[:, None, None]))
+        return mantissa * np.ldexp(1.0, exponent)[:, None, None]
 
-    w, p = scaled(), scaled()
-    got = _cauchy_product(w, p, chunk).values()
+    if hermitian:
+        b = random_scaled()
+        a = rng.normal(size=(n, n)) + 1j * rng.normal(size=(n, n))
+        w_values, p_values = np.conj(np.swapaxes(b, -1, -2)), (a + a.conj().T) @ b
+    else:
+        w_values, p_values = random_scaled(), random_scaled()
+    w, p = Scaled.of(jnp.asarray(w_values)), Scaled.of(jnp.asarray(p_values))
+    got = _cauchy_product(w, p, hermitian=jnp.asarray(hermitian), chunk=chunk).values()
     wv, pv = np.asarray(w.values()), np.asarray(p.values())
     expected = np.stack(
         [sum(wv[a] @ pv[m - a] for a in range(m + 1)) for m in range(length)]

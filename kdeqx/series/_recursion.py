@@ -15,12 +15,14 @@ coefficients (the general path) makes each step of the first scan a Cauchy sum o
 compiled program does not grow with the order.
 """
 
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Complex, Int
+from jaxtyping import Array, Bool, Complex, Int, Real
 
 from .._backend import complex_factors, complex_product
 from ._scaled import normalised, powers_of_two, Scaled, ZERO_EXPONENT, zeros
@@ -45,6 +47,14 @@ def _window(reversed_: Array, m: Int[Array, ""], axis: int) -> Array:
     """Entry `i` along `axis` is coefficient `m - i` of a reversed and padded array."""
     length = reversed_.shape[axis] // 2
     return lax.dynamic_slice_in_dim(reversed_, length - 1 - m, length, axis)
+
+
+def _all_hermitian(matrices: Array) -> Bool[Array, ""]:
+    return lax.stop_gradient(jnp.all(matrices == _adjoint(matrices)))
+
+
+def _adjoint(x: Array) -> Array:
+    return jnp.conj(jnp.swapaxes(x, -1, -2))
 
 
 # A matrix product contracting terms and columns at once, `sum_r A[r] @ B[r]`.
@@ -79,6 +89,17 @@ class DenseTerms(eqx.Module):
         pair = (generator, weighted) if generator_first else (weighted, generator)
         return normalised(complex_product(*pair, _SUM_OF_PRODUCTS), top)
 
+    def hermitian(self) -> Bool[Array, ""]:
+        """Whether every coefficient is exactly Hermitian: `G(t + s)` is, for real
+        `s`."""
+        return _all_hermitian(self.reversed.mantissa)
+
+    def constant(self) -> Bool[Array, ""]:
+        """Whether every coefficient past the zeroth is zero."""
+        # Reversed: coefficient `j` is row `L - 1 - j`.
+        length = self.reversed.mantissa.shape[0] // 2
+        return lax.stop_gradient(jnp.all(self.reversed.mantissa[: length - 1] == 0))
+
 
 class FactoredTerms(eqx.Module):
     """A generator of the form `G(t + s) = sum_l c_l(s) M_l`: `J` scalar series times
@@ -89,20 +110,41 @@ class FactoredTerms(eqx.Module):
     scalars: Scaled
     matrices: Scaled
     matrix_factors: Array
+    real_scalars: bool = eqx.field(static=True)
 
     @staticmethod
     def of(
         scalars: Complex[Array, "J terms"],
         matrices: Complex[Array, "J n n"],
         length: int,
+        real_scalars: bool = False,
     ) -> "FactoredTerms":
+        """`real_scalars`: whether the scalar functions are known to be real (their
+        dtype was), which [`FactoredTerms.hermitian`][] then need not check."""
         padded = _padded(scalars.T, length).T
         matrices_ = Scaled.of(matrices)
         return FactoredTerms(
             Scaled.of(_reversed_and_padded(padded, axis=1), core=0),
             matrices_,
             complex_factors(matrices_.mantissa),
+            real_scalars,
         )
+
+    def hermitian(self) -> Bool[Array, ""]:
+        """Whether `G(t + s)` is exactly Hermitian for real `s`: Hermitian matrices
+        times real scalar functions. Checked on the constant matrices alone when the
+        scalars are real by their dtype, so that under `vmap` over `t` the answer is
+        not batched."""
+        hermitian = _all_hermitian(self.matrices.mantissa)
+        if self.real_scalars:
+            return hermitian
+        return hermitian & jnp.all(self.scalars.mantissa.imag == 0)
+
+    def constant(self) -> Bool[Array, ""]:
+        """Whether every scalar coefficient past the zeroth is zero."""
+        # Reversed: coefficient `j` is column `L - 1 - j`.
+        length = self.scalars.mantissa.shape[1] // 2
+        return lax.stop_gradient(jnp.all(self.scalars.mantissa[:, : length - 1] == 0))
 
     def weights(
         self, x: Scaled, m: Int[Array, ""], factor: Array
@@ -127,6 +169,20 @@ class FactoredTerms(eqx.Module):
         pair = (matrices, sums) if generator_first else (sums, matrices)
         return normalised(complex_product(*pair, _SUM_OF_PRODUCTS), top)
 
+    def all_products(
+        self, x: Scaled, planes: Real[Array, "L 2 n n"], count: int
+    ) -> Scaled:
+        """Coefficients `0..count - 1` of `G X`, with `x` also given as the real and
+        imaginary planes of its mantissas: one pass over `x` and one batched product
+        for all of them."""
+        one = jnp.ones((), x.mantissa.dtype)
+        weights, tops = jax.vmap(lambda m: self.weights(x, m, one))(jnp.arange(count))
+        sums = _weighted_sums(weights.reshape(-1, weights.shape[-1]), planes)
+        sums = sums.reshape(weights.shape[:2] + sums.shape[-2:])
+        return jax.vmap(lambda s, top: self.finish(s, top, generator_first=True))(
+            sums, tops
+        )
+
     def product(
         self, x: Scaled, m: Int[Array, ""], factor: Array, generator_first: bool
     ) -> Scaled:
@@ -139,6 +195,19 @@ class FactoredTerms(eqx.Module):
 Terms = DenseTerms | FactoredTerms
 
 
+def _weighted_sums(
+    weights: Complex[Array, "J L"], planes: Real[Array, "L 2 n n"]
+) -> Complex[Array, "J n n"]:
+    """`sum_i weights[:, i] x[i]` for `x` stored as real and imaginary planes: one
+    real matrix product, which on the CPU runs at memory speed where the complex
+    one (a `J x L` by `L x n^2` product) takes three times as long."""
+    count = weights.shape[0]
+    real_weights = jnp.concatenate([weights.real, weights.imag])
+    parts = jnp.tensordot(real_weights, planes, 1)
+    by_real, by_imag = parts[:count], parts[count:]
+    return lax.complex(by_real[:, 0] - by_imag[:, 1], by_real[:, 1] + by_imag[:, 0])
+
+
 def _matrices(terms: Terms) -> Array:
     """Some of the generator's matrices, for their size and dtype."""
     if isinstance(terms, DenseTerms):
@@ -147,86 +216,106 @@ def _matrices(terms: Terms) -> Array:
 
 
 def _propagators(
-    hamiltonian: Terms, observable: Terms, order: int
+    hamiltonian: Terms,
+    observable: Terms,
+    order: int,
+    unitary: bool | Bool[Array, ""] = False,
 ) -> tuple[Scaled, Scaled]:
     """Normalised Taylor coefficients `0..K` of `W = V⁻¹` and of `P = X_0 V`.
 
     Step `k` of one scan computes, from coefficients already known,
 
     - `V[k] = -i/k (H V)[k - 1]`     (from `V' = -i H V`),
-    - `W[k] =  i/k (W H)[k - 1]`     (from `W' = i W H`),
-    - `P[k - 1] = (X_0 V)[k - 1]`.
+    - `W[k] =  i/k (W H)[k - 1]`     (from `W' = i W H`), or `V[k]^H` where `unitary`
+      (a Hermitian `H` makes `V` unitary),
+    - `P[k - 1] = (X_0 V)[k - 1]`, unless `X_0` is factored: then all of `P` follows
+      the scan, in a few batched products instead of one per step.
 
-    `P` lags one step, so the scan runs to `K + 1`, with one slack row.
+    `P` lags one step, so that scan runs to `K + 1`, with one slack row.
     """
     length = order + 2
     n, dtype = _matrices(observable).shape[-1], _matrices(observable).dtype
     identity = Scaled(0.5 * jnp.eye(n, dtype=dtype), jnp.asarray(1, jnp.int32))
     start = zeros((length, n, n), dtype).with_row(jnp.asarray(0), identity)
+    observable_after = isinstance(observable, FactoredTerms)
+    one = jnp.ones((), dtype)
 
     def step(carry, k):
-        v, w = carry
+        v, planes, w = carry
         m = k - 1
         step_factor = (1 / k.astype(jnp.finfo(dtype).dtype)).astype(dtype)
-        one = jnp.ones((), dtype)
-        new_w = hamiltonian.product(w, m, 1j * step_factor, generator_first=False)
-        if isinstance(hamiltonian, FactoredTerms) and isinstance(
-            observable, FactoredTerms
-        ):
-            # Both weight V's rows: one pass over V for the two.
-            h_weights, h_top = hamiltonian.weights(v, m, -1j * step_factor)
-            x_weights, x_top = observable.weights(v, m, one)
-            sums = jnp.tensordot(jnp.concatenate([h_weights, x_weights]), v.mantissa, 1)
-            count = h_weights.shape[0]
-            new_v = hamiltonian.finish(sums[:count], h_top, generator_first=True)
-            new_p = observable.finish(sums[count:], x_top, generator_first=True)
+        if isinstance(hamiltonian, FactoredTerms):
+            weights, top = hamiltonian.weights(v, m, -1j * step_factor)
+            sums = _weighted_sums(weights, planes)
+            new_v = hamiltonian.finish(sums, top, generator_first=True)
         else:
             new_v = hamiltonian.product(v, m, -1j * step_factor, generator_first=True)
+        new_p = None
+        if not observable_after:
             new_p = observable.product(v, m, one, generator_first=True)
-        return (v.with_row(k, new_v), w.with_row(k, new_w)), new_p
+        new_w = lax.cond(
+            unitary,
+            lambda: Scaled(_adjoint(new_v.mantissa), new_v.exponent),
+            lambda: hamiltonian.product(w, m, 1j * step_factor, generator_first=False),
+        )
+        new_planes = jnp.stack([new_v.mantissa.real, new_v.mantissa.imag])
+        planes = lax.dynamic_update_index_in_dim(planes, new_planes, k, 0)
+        return (v.with_row(k, new_v), planes, w.with_row(k, new_w)), new_p
 
-    (_, w), p = lax.scan(step, (start, start), jnp.arange(1, length))
+    planes = jnp.stack([start.mantissa.real, start.mantissa.imag], axis=1)
+    steps = jnp.arange(1, order + 1 if observable_after else length)
+    (v, planes, w), p = lax.scan(step, (start, planes, start), steps)
+    if isinstance(observable, FactoredTerms):
+        p = observable.all_products(v, planes, order + 1)
     return w[: order + 1], p
 
 
 def chunk_size(n: int) -> int:
     """Terms per product in [`_cauchy_product`][], by measurement (complex128, K = 40,
-    2 cores): at n = 256 the product took 1.09 s with 4 terms, 1.16 s with 2 or 8 and
-    1.34 s with 16; at n = 512 6.5 s with 1 or 2 against 7.0-7.3 s with 4; at n = 1024
-    47.6 s with 1, 48.2 s with 2 and 52.5 s with 4. (Larger matrices gain nothing from
-    longer products and pay for the chunks' unused terms.)"""
-    return 4 if n < 512 else 2
+    2 cores, Hermitian pairing, interleaved runs): at n = 128 the product took 0.11 s
+    with 3 terms against 0.16 s with 1 or 2; at n = 64, 256 and 512 one term was
+    fastest (256: 0.73 s against 0.80 s with 2 and 0.87-0.90 s with 3 or 4; 512:
+    5.5 s against 5.8 s with 2 and 6.3 s with 4): longer products pay for the
+    chunks' unused terms and for copying their operands."""
+    return 3 if 96 <= n < 192 else 1
 
 
 def _chunks(length: int, c: int) -> tuple[Int[Array, " chunks"], Int[Array, " chunks"]]:
-    """`(m, a0)` for `m = 0..length - 1` and `a0 = 0, c, 2c, ... <= m`, in that
-    order: computed from the chunk's position rather than stored, so the program has
-    no constant that grows with the order.
+    """`(m, a0)` for `m = 0..length - 1` and `a0 = 0, c, 2c, ... <= m // 2`, in that
+    order: the chunks of `c` terms that cover the pairs `a <= m - a` of every `Y[m]`.
 
-    The `c` values of `m` in `[b c, b c + c)` have `b + 1` chunks each, so block `b`
-    starts at chunk `c b (b + 1) / 2`; `b` is the root of that quadratic, corrected
-    by one where floating point rounds it.
+    Computed from iotas rather than stored, so that the program has no constant that
+    grows with the order.
     """
-    count = int(np.sum(np.arange(length) // c + 1))
-    q = jnp.arange(count)
-    b = ((jnp.sqrt(1 + 8 * q / c) - 1) / 2).astype(jnp.int32)
-    b = jnp.where(c * (b + 1) * (b + 2) // 2 <= q, b + 1, b)
-    b = jnp.where(c * b * (b + 1) // 2 > q, b - 1, b)
-    offset = q - c * b * (b + 1) // 2
-    m = b * c + offset // (b + 1)
-    return m.astype(jnp.int32), (offset % (b + 1) * c).astype(jnp.int32)
+    counts = (np.arange(length) // 2 + c) // c
+    m = jnp.arange(length)
+    chunk_counts = (m // 2 + c) // c
+    ends = jnp.cumsum(chunk_counts)
+    q = jnp.arange(int(counts.sum()))
+    row = jnp.searchsorted(ends, q, side="right")
+    first = ends[row] - chunk_counts[row]
+    return row.astype(jnp.int32), ((q - first) * c).astype(jnp.int32)
 
 
-def _cauchy_product(left: Scaled, right: Scaled, chunk: int | None = None) -> Scaled:
+def _cauchy_product(
+    left: Scaled,
+    right: Scaled,
+    hermitian: bool | Bool[Array, ""] = False,
+    chunk: int | None = None,
+) -> Scaled:
     """`Y[m] = sum_a left[a] @ right[m - a]` for `m = 0..K`.
 
-    One scan over chunks of `c` consecutive terms of one `Y[m]` (`chunk`, by default
-    [`chunk_size`][]), `a = a0..a0 + c - 1`, each one matrix product contracting its
-    `c` terms: `left`'s rows `a0..` and, from a reversed copy of `right` padded with
-    zeros, rows `m - a0, m - a0 - 1, ...` (terms past `m` fall in the padding). That
-    is about `K^2 / 2 + K c / 2` products, against the `(K + 1)^2` of a scan with fixed
-    windows. Every term is scaled by an exact power of two relative to the largest term
-    of its `Y[m]`, known in advance from the exponents, so the chunks add up directly.
+    The terms pair up: `a` and `m - a`. One scan over chunks of `c` consecutive terms
+    `a <= m / 2` of one `Y[m]` (`chunk`, by default [`chunk_size`][]) computes their
+    sum `T` as one matrix product contracting the `c` terms, and the sum `U` of their
+    partners `a' = m - a >= m / 2` as another, the middle term `a = m / 2` counted
+    half in each. Where `hermitian` (`left[a] = B[a]^H` and `right[a] = A B[a]` with
+    `A` Hermitian, as for `W = V^H`, `P = X_0 V`), the partners are adjoints: `U` is
+    skipped and `Y = S + S^H` from the sums `S` of the `T`, half the products. The
+    operands are read from `left` forwards and from a reversed copy of `right`, both
+    padded with zeros so that every chunk's slices stay in bounds; every term is
+    scaled by an exact power of two relative to the largest term of its `Y[m]`,
+    known in advance from the exponents, so the chunks add up directly.
     """
     length = left.exponent.shape[0]
     c = chunk_size(left.mantissa.shape[-1]) if chunk is None else chunk
@@ -236,43 +325,115 @@ def _cauchy_product(left: Scaled, right: Scaled, chunk: int | None = None) -> Sc
     top = jnp.max(jnp.where(m >= a, term_exponents, ZERO_EXPONENT), axis=0)
     top = jnp.maximum(top, ZERO_EXPONENT)
 
-    # Zero rows past the ends, so that every chunk's slices stay in bounds.
-    left_factors = complex_factors(_padded(left.mantissa, length + c))
-    left_exponent = _padded(left.exponent, length + c, ZERO_EXPONENT)
-    right_length = 2 * length + c
-    right_factors = complex_factors(
-        _padded(jnp.flip(right.mantissa, axis=0), right_length)
+    # Both with `c - 1` zero rows before them and `c` after, where partner chunks
+    # (and the terms of a chunk past `m`) may reach; `right` reversed.
+    def padded(x, exponent, before, rows):
+        after = rows - before - length
+        return (
+            complex_factors(jnp.pad(x, [(before, after), (0, 0), (0, 0)])),
+            jnp.pad(exponent, (before, after), constant_values=ZERO_EXPONENT),
+        )
+
+    lefts = padded(left.mantissa, left.exponent, c - 1, length + 2 * c)
+    rights = padded(
+        jnp.flip(right.mantissa, axis=0),
+        jnp.flip(right.exponent),
+        c - 1,
+        length + 2 * c,
     )
-    right_exponent = _padded(jnp.flip(right.exponent), right_length, ZERO_EXPONENT)
     real_dtype = left.mantissa.real.dtype
+    sum_of_products = (((0, 2), (0, 1)), ((), ()))
+
+    def chunk_sum(m, first, weight_of):
+        """`sum_a weight_of(a) left[a] @ right[m - a]` for `a = first..first + c - 1`,
+        each term also scaled relative to the largest of `Y[m]`."""
+        a = first + jnp.arange(c)
+        # Row `a` of `left` is row `a + c - 1` of its padded copy; row `m - a` of
+        # `right` is row `K - m + a + c - 1` of its reversed one.
+        lhs = _rows(lefts, first + c - 1, c)
+        rhs = _rows(rights, length - 2 - m + first + c, c)
+        exponents = jnp.maximum(lhs[1] + rhs[1], ZERO_EXPONENT) - top[m]
+        weights = powers_of_two(exponents, real_dtype) * weight_of(a)
+        return complex_product(lhs[0], rhs[0] * weights[:, None, None], sum_of_products)
 
     def step(total, chunk):
         m, a0 = chunk
-        start = length - 1 - m + a0
-        exponents = lax.dynamic_slice_in_dim(
-            left_exponent, a0, c
-        ) + lax.dynamic_slice_in_dim(right_exponent, start, c)
-        weights = powers_of_two(
-            jnp.maximum(exponents, ZERO_EXPONENT) - top[m], real_dtype
+        # The chunk's terms, and (`a' = m - a`) their partners', which run backwards.
+        lower = chunk_sum(m, a0, lambda a: _pair_weight(m, a, real_dtype))
+        upper = lax.cond(
+            hermitian,
+            lambda: jnp.zeros_like(lower),
+            lambda: chunk_sum(
+                m, m - a0 - c + 1, lambda a: _pair_weight(m, m - a, real_dtype)
+            ),
         )
-        part = complex_product(
-            lax.dynamic_slice_in_dim(left_factors, a0, c, axis=-3),
-            lax.dynamic_slice_in_dim(right_factors, start, c, axis=-3)
-            * weights[:, None, None],
-            (((0, 2), (0, 1)), ((), ())),
-        )
-        row = lax.dynamic_index_in_dim(total, m, keepdims=False) + part
+        row = lax.dynamic_index_in_dim(total, m, keepdims=False) + lower + upper
         return lax.dynamic_update_index_in_dim(total, row, m, 0), None
 
     start = jnp.zeros(left.mantissa.shape, left.mantissa.dtype)
     total, _ = lax.scan(step, start, _chunks(length, c))
+    # Where the partners are adjoints, they are added once, at the end.
+    total = jnp.where(hermitian, total + _adjoint(total), total)
     return normalised(total, top)
+
+
+def _rows(
+    factors_and_exponent: tuple[Array, Array], start: Int[Array, ""], c: int
+) -> tuple[Array, Array]:
+    """Rows `start..start + c - 1` of prepared factors (indexed from the right) and
+    of their exponents."""
+    factors, exponent = factors_and_exponent
+    return (
+        lax.dynamic_slice_in_dim(factors, start, c, axis=-3),
+        lax.dynamic_slice_in_dim(exponent, start, c),
+    )
+
+
+def _pair_weight(m: Int[Array, ""], a: Int[Array, " c"], dtype: Any) -> Array:
+    """How much of term `a` of `Y[m]` a chunk of lower terms `a <= m / 2` carries:
+    all of it below the middle, half of the middle term (its partner is itself), none
+    above (those belong to the partners' chunks)."""
+    return jnp.where(2 * a < m, 1.0, jnp.where(2 * a == m, 0.5, 0.0)).astype(dtype)
+
+
+def _coefficients(
+    hamiltonian: Terms, observable: Terms, order: int, fast: bool
+) -> Scaled:
+    """`X_k(t) / k!` for `k = 0..K` in scaled form, the coefficients of
+    `Y = V⁻¹ X_0 V = W P`; with `fast`, using `W = V^H` where `H` is Hermitian, and
+    the pairing of the Cauchy product's terms as adjoints where `X_0` is besides
+    constant and Hermitian (each checked exactly, at run time)."""
+    unitary = hamiltonian.hermitian() if fast else False
+    hermitian = (
+        unitary & observable.hermitian() & observable.constant() if fast else False
+    )
+    w, p = _propagators(hamiltonian, observable, order, unitary)
+    return _cauchy_product(w, p, hermitian)
+
+
+@eqx.filter_custom_jvp
+def _fast_coefficients(hamiltonian: Terms, observable: Terms, order: int) -> Scaled:
+    return _coefficients(hamiltonian, observable, order, fast=True)
+
+
+@_fast_coefficients.def_jvp
+def _general_tangents(primals, tangents, order):
+    # `W = V^H` holds on Hermitian generators, not off them, so its derivative
+    # would miss the directions that leave them: derivatives take the general path.
+    return eqx.filter_jvp(
+        lambda h, x: _coefficients(h, x, order, fast=False), primals, tangents
+    )
 
 
 def heisenberg_coefficients(
     hamiltonian: Terms, observable: Terms, order: int
 ) -> Scaled:
     """`X_k(t) / k!` for `k = 0..K`, in scaled form: the coefficients of
-    `Y = V⁻¹ X_0 V = W P`."""
-    w, p = _propagators(hamiltonian, observable, order)
-    return _cauchy_product(w, p)
+    `Y = V⁻¹ X_0 V = W P`.
+
+    A Hermitian generator (checked exactly, at run time) makes `V` unitary, so
+    `W = V^H` costs no products; a constant Hermitian `X_0` besides pairs the terms
+    of the Cauchy product as adjoints, which halves it. Derivatives are those of the
+    general recursion, whatever the generator.
+    """
+    return _fast_coefficients(hamiltonian, observable, order=order)

@@ -251,7 +251,10 @@ def _terms(expansion: _Expansion, dtype: Any, length: int) -> Terms:
         scalars, matrices = expansion
         if _factored_terms(expansion, length) is not None:
             return FactoredTerms.of(
-                scalars.astype(dtype), matrices.astype(dtype), length
+                scalars.astype(dtype),
+                matrices.astype(dtype),
+                length,
+                real_scalars=not jnp.iscomplexobj(scalars),
             )
         expansion = jnp.tensordot(scalars.T, matrices, axes=1)
     return DenseTerms.of(expansion.astype(dtype), length)

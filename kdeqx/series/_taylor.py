@@ -927,8 +927,28 @@ def _factored_product_rule(eqn, invals):
     return [_Factored(_pairwise_products(a.scalars, b.scalars), matrices)]
 
 
+def _factored_convert_rule(eqn, invals):
+    """A cast of a small real series to a complex dtype (as `cos(t) * H1` with a
+    complex `H1` begins) factors it with complex unit arrays, so that its scalars keep
+    their real dtype: the recursion can then tell from dtypes alone that the scalar
+    functions are real."""
+    (x,) = invals
+    if (
+        isinstance(x, _Series)
+        and not x.affine
+        and not jnp.iscomplexobj(x.coeffs)
+        and jnp.issubdtype(eqn.params["new_dtype"], jnp.complexfloating)
+        and _size(x.coeffs.shape[1:]) <= MAX_FACTORED_TERMS
+    ):
+        factored = _Factored.of(x)
+        matrices = factored.matrices.astype(eqn.params["new_dtype"])
+        return [_Factored(factored.scalars, matrices)]
+    return _factored_linear_rule(eqn, invals)
+
+
 _FACTORED_RULES: dict[str, Callable[[jex.JaxprEqn, Sequence[Any]], Any]] = {
     **{name: _factored_linear_rule for name in _LINEAR},
+    "convert_element_type": _factored_convert_rule,
     "mul": _factored_product_rule,
     "dot_general": _factored_product_rule,
     "div": _factored_product_rule,
