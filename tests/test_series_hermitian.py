@@ -11,7 +11,7 @@ import pytest
 
 import kdeqx
 from kdeqx.series._recursion import _coefficients
-from kdeqx.series._series import _as_time, _generator_terms
+from kdeqx.series._series import _generator_terms
 
 from .test_series import random_matrix, relative_errors
 
@@ -78,9 +78,7 @@ def _reassembled(scaled):
 def test_shortcuts_are_taken_where_they_hold(name):
     hamiltonian, observable, unitary, paired = CASES[name]()
     series = kdeqx.OperatorSeries(hamiltonian, observable, ORDER)
-    h, x = _generator_terms(series, _as_time(0.4))
-    assert bool(h.hermitian()) == unitary
-    assert bool(h.hermitian() & x.hermitian() & x.constant()) == paired
+    assert series.hermitian_shortcuts(0.4) == (unitary, paired)
 
 
 @pytest.mark.x64

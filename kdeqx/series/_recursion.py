@@ -169,20 +169,6 @@ class FactoredTerms(eqx.Module):
         pair = (matrices, sums) if generator_first else (sums, matrices)
         return normalised(complex_product(*pair, _SUM_OF_PRODUCTS), top)
 
-    def all_products(
-        self, x: Scaled, planes: Real[Array, "L 2 n n"], count: int
-    ) -> Scaled:
-        """Coefficients `0..count - 1` of `G X`, with `x` also given as the real and
-        imaginary planes of its mantissas: one pass over `x` and one batched product
-        for all of them."""
-        one = jnp.ones((), x.mantissa.dtype)
-        weights, tops = jax.vmap(lambda m: self.weights(x, m, one))(jnp.arange(count))
-        sums = _weighted_sums(weights.reshape(-1, weights.shape[-1]), planes)
-        sums = sums.reshape(weights.shape[:2] + sums.shape[-2:])
-        return jax.vmap(lambda s, top: self.finish(s, top, generator_first=True))(
-            sums, tops
-        )
-
     def product(
         self, x: Scaled, m: Int[Array, ""], factor: Array, generator_first: bool
     ) -> Scaled:
@@ -193,6 +179,12 @@ class FactoredTerms(eqx.Module):
 
 
 Terms = DenseTerms | FactoredTerms
+
+
+# From this size on, the sums weighted by factored terms read `V` as real planes:
+# at n = 256 the complex `J x L` by `L x n^2` product took 4.9 ms and the real one
+# 1.7 ms; below, the planes' upkeep costs more compile time than the sums save.
+PLANES_FROM = 128
 
 
 def _weighted_sums(
@@ -228,45 +220,54 @@ def _propagators(
     - `V[k] = -i/k (H V)[k - 1]`     (from `V' = -i H V`),
     - `W[k] =  i/k (W H)[k - 1]`     (from `W' = i W H`), or `V[k]^H` where `unitary`
       (a Hermitian `H` makes `V` unitary),
-    - `P[k - 1] = (X_0 V)[k - 1]`, unless `X_0` is factored: then all of `P` follows
-      the scan, in a few batched products instead of one per step.
+    - `P[k - 1] = (X_0 V)[k - 1]`.
 
-    `P` lags one step, so that scan runs to `K + 1`, with one slack row.
+    `P` lags one step, so the scan runs to `K + 1`, with one slack row. From
+    [`PLANES_FROM`][] on, `V` is kept as real and imaginary planes too, for the sums
+    weighted by factored terms.
     """
     length = order + 2
     n, dtype = _matrices(observable).shape[-1], _matrices(observable).dtype
     identity = Scaled(0.5 * jnp.eye(n, dtype=dtype), jnp.asarray(1, jnp.int32))
     start = zeros((length, n, n), dtype).with_row(jnp.asarray(0), identity)
-    observable_after = isinstance(observable, FactoredTerms)
-    one = jnp.ones((), dtype)
+    use_planes = n >= PLANES_FROM
 
     def step(carry, k):
         v, planes, w = carry
         m = k - 1
         step_factor = (1 / k.astype(jnp.finfo(dtype).dtype)).astype(dtype)
-        if isinstance(hamiltonian, FactoredTerms):
-            weights, top = hamiltonian.weights(v, m, -1j * step_factor)
-            sums = _weighted_sums(weights, planes)
-            new_v = hamiltonian.finish(sums, top, generator_first=True)
+        one = jnp.ones((), dtype)
+        if isinstance(hamiltonian, FactoredTerms) and isinstance(
+            observable, FactoredTerms
+        ):
+            # Both weight V's rows: one pass over V for the two.
+            h_weights, h_top = hamiltonian.weights(v, m, -1j * step_factor)
+            x_weights, x_top = observable.weights(v, m, one)
+            weights = jnp.concatenate([h_weights, x_weights])
+            if use_planes:
+                sums = _weighted_sums(weights, planes)
+            else:
+                sums = jnp.tensordot(weights, v.mantissa, 1)
+            count = h_weights.shape[0]
+            new_v = hamiltonian.finish(sums[:count], h_top, generator_first=True)
+            new_p = observable.finish(sums[count:], x_top, generator_first=True)
         else:
             new_v = hamiltonian.product(v, m, -1j * step_factor, generator_first=True)
-        new_p = None
-        if not observable_after:
             new_p = observable.product(v, m, one, generator_first=True)
         new_w = lax.cond(
             unitary,
             lambda: Scaled(_adjoint(new_v.mantissa), new_v.exponent),
             lambda: hamiltonian.product(w, m, 1j * step_factor, generator_first=False),
         )
-        new_planes = jnp.stack([new_v.mantissa.real, new_v.mantissa.imag])
-        planes = lax.dynamic_update_index_in_dim(planes, new_planes, k, 0)
+        if use_planes:
+            new_planes = jnp.stack([new_v.mantissa.real, new_v.mantissa.imag])
+            planes = lax.dynamic_update_index_in_dim(planes, new_planes, k, 0)
         return (v.with_row(k, new_v), planes, w.with_row(k, new_w)), new_p
 
-    planes = jnp.stack([start.mantissa.real, start.mantissa.imag], axis=1)
-    steps = jnp.arange(1, order + 1 if observable_after else length)
-    (v, planes, w), p = lax.scan(step, (start, planes, start), steps)
-    if isinstance(observable, FactoredTerms):
-        p = observable.all_products(v, planes, order + 1)
+    planes = None
+    if use_planes:
+        planes = jnp.stack([start.mantissa.real, start.mantissa.imag], axis=1)
+    (_, _, w), p = lax.scan(step, (start, planes, start), jnp.arange(1, length))
     return w[: order + 1], p
 
 
@@ -280,21 +281,21 @@ def chunk_size(n: int) -> int:
     return 3 if 96 <= n < 192 else 1
 
 
-def _chunks(length: int, c: int) -> tuple[Int[Array, " chunks"], Int[Array, " chunks"]]:
-    """`(m, a0)` for `m = 0..length - 1` and `a0 = 0, c, 2c, ... <= m // 2`, in that
-    order: the chunks of `c` terms that cover the pairs `a <= m - a` of every `Y[m]`.
+def _chunk_count(length: int, c: int) -> int:
+    """How many chunks of `c` terms cover the pairs `a <= m - a` of every `Y[m]`,
+    `m = 0..length - 1`."""
+    return int(np.sum((np.arange(length) // 2 + c) // c))
 
-    Computed from iotas rather than stored, so that the program has no constant that
-    grows with the order.
-    """
-    counts = (np.arange(length) // 2 + c) // c
-    m = jnp.arange(length)
-    chunk_counts = (m // 2 + c) // c
-    ends = jnp.cumsum(chunk_counts)
-    q = jnp.arange(int(counts.sum()))
-    row = jnp.searchsorted(ends, q, side="right")
-    first = ends[row] - chunk_counts[row]
-    return row.astype(jnp.int32), ((q - first) * c).astype(jnp.int32)
+
+def _next_chunk(
+    m: Int[Array, ""], a0: Int[Array, ""], c: int
+) -> tuple[Int[Array, ""], Int[Array, ""]]:
+    """The chunk after `(m, a0)`: `c` terms on, or the first of `Y[m + 1]`. Carried
+    by the scan rather than stored, so the program holds no array that grows with
+    the order."""
+    a0 = a0 + c
+    done = 2 * a0 > m
+    return jnp.where(done, m + 1, m), jnp.where(done, 0, a0)
 
 
 def _cauchy_product(
@@ -356,8 +357,8 @@ def _cauchy_product(
         weights = powers_of_two(exponents, real_dtype) * weight_of(a)
         return complex_product(lhs[0], rhs[0] * weights[:, None, None], sum_of_products)
 
-    def step(total, chunk):
-        m, a0 = chunk
+    def step(carry, _):
+        total, m, a0 = carry
         # The chunk's terms, and (`a' = m - a`) their partners', which run backwards.
         lower = chunk_sum(m, a0, lambda a: _pair_weight(m, a, real_dtype))
         upper = lax.cond(
@@ -368,10 +369,14 @@ def _cauchy_product(
             ),
         )
         row = lax.dynamic_index_in_dim(total, m, keepdims=False) + lower + upper
-        return lax.dynamic_update_index_in_dim(total, row, m, 0), None
+        total = lax.dynamic_update_index_in_dim(total, row, m, 0)
+        return (total, *_next_chunk(m, a0, c)), None
 
     start = jnp.zeros(left.mantissa.shape, left.mantissa.dtype)
-    total, _ = lax.scan(step, start, _chunks(length, c))
+    first = jnp.zeros((), jnp.int32)
+    (total, _, _), _ = lax.scan(
+        step, (start, first, first), None, length=_chunk_count(length, c)
+    )
     # Where the partners are adjoints, they are added once, at the end.
     total = jnp.where(hermitian, total + _adjoint(total), total)
     return normalised(total, top)
@@ -396,19 +401,27 @@ def _pair_weight(m: Int[Array, ""], a: Int[Array, " c"], dtype: Any) -> Array:
     return jnp.where(2 * a < m, 1.0, jnp.where(2 * a == m, 0.5, 0.0)).astype(dtype)
 
 
+def hermitian_shortcuts(
+    hamiltonian: Terms, observable: Terms
+) -> tuple[Bool[Array, ""], Bool[Array, ""]]:
+    """`(unitary, paired)`: whether `H` is exactly Hermitian (then `W = V^H`), and
+    whether `X_0` is besides constant and exactly Hermitian (then the Cauchy
+    product's terms pair up as adjoints)."""
+    unitary = hamiltonian.hermitian()
+    return unitary, unitary & observable.hermitian() & observable.constant()
+
+
 def _coefficients(
     hamiltonian: Terms, observable: Terms, order: int, fast: bool
 ) -> Scaled:
     """`X_k(t) / k!` for `k = 0..K` in scaled form, the coefficients of
-    `Y = V⁻¹ X_0 V = W P`; with `fast`, using `W = V^H` where `H` is Hermitian, and
-    the pairing of the Cauchy product's terms as adjoints where `X_0` is besides
-    constant and Hermitian (each checked exactly, at run time)."""
-    unitary = hamiltonian.hermitian() if fast else False
-    hermitian = (
-        unitary & observable.hermitian() & observable.constant() if fast else False
+    `Y = V⁻¹ X_0 V = W P`; with `fast`, taking the [`hermitian_shortcuts`][] where
+    they hold."""
+    unitary, paired = (
+        hermitian_shortcuts(hamiltonian, observable) if fast else (False, False)
     )
     w, p = _propagators(hamiltonian, observable, order, unitary)
-    return _cauchy_product(w, p, hermitian)
+    return _cauchy_product(w, p, paired)
 
 
 @eqx.filter_custom_jvp

@@ -14,9 +14,15 @@ import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Complex, Inexact, Int, Real, Shaped
+from jaxtyping import Array, ArrayLike, Bool, Complex, Inexact, Int, Real, Shaped
 
-from ._recursion import DenseTerms, FactoredTerms, heisenberg_coefficients, Terms
+from ._recursion import (
+    DenseTerms,
+    FactoredTerms,
+    heisenberg_coefficients,
+    hermitian_shortcuts,
+    Terms,
+)
 from ._scaled import factorials, ldexp, Scaled
 from ._taylor import FactoredCoefficients, taylor_coefficients, taylor_expansion
 
@@ -206,8 +212,41 @@ class OperatorSeries(eqx.Module):
         eqx.filter_eval_shape(count_terms, self, _as_time(t))
         return counts[0], counts[1]
 
+    def hermitian_shortcuts(self, t: ArrayLike = 0.0) -> tuple[bool, bool]:
+        """Which of the recursion's Hermitian shortcuts hold at `t`; both are checked
+        exactly (entry by entry, no tolerance) each time the series is evaluated.
+
+        - `unitary`: `H(t + s)` is Hermitian for real `s` (its constant matrices are,
+            and its scalar functions are real), so the propagator `V` is unitary and
+            `V⁻¹ = V^H` costs no matrix products.
+        - `paired`: besides, `X_0` is constant and Hermitian, so the terms
+            `V[a]^H X_0 V[m - a]` and `V[m - a]^H X_0 V[a]` of the Cauchy product are
+            adjoints: half of its `K^2 / 2` matrix products are skipped.
+
+        Results agree with the general recursion to rounding; derivatives are always
+        the general recursion's, so they stay exact along directions that make `H`
+        non-Hermitian.
+
+        **Arguments:**
+
+        - `t`: a real scalar time.
+
+        **Returns:**
+
+        `(unitary, paired)`, Python bools (this evaluates the expansions at `t`).
+        """
+        unitary, paired = _hermitian_shortcuts(self, _as_time(t))
+        return bool(unitary), bool(paired)
+
 
 _Expansion = Shaped[Array, "terms n n"] | FactoredCoefficients
+
+
+@eqx.filter_jit
+def _hermitian_shortcuts(
+    series: OperatorSeries, t: Real[Array, ""]
+) -> tuple[Bool[Array, ""], Bool[Array, ""]]:
+    return hermitian_shortcuts(*_generator_terms(series, t))
 
 
 def _expansion(
