@@ -53,6 +53,14 @@ def _all_hermitian(matrices: Array) -> Bool[Array, ""]:
     return lax.stop_gradient(jnp.all(matrices == _adjoint(matrices)))
 
 
+def _only_zeroth(reversed_: Array, axis: int) -> Bool[Array, ""]:
+    """Whether coefficients laid out by [`_reversed_and_padded`][] along `axis` are
+    zero past the zeroth (coefficient `j` sits at `L - 1 - j`)."""
+    length = reversed_.shape[axis] // 2
+    past_zeroth = lax.slice_in_dim(reversed_, 0, length - 1, axis=axis)
+    return lax.stop_gradient(jnp.all(past_zeroth == 0))
+
+
 def _adjoint(x: Array) -> Array:
     return jnp.conj(jnp.swapaxes(x, -1, -2))
 
@@ -96,9 +104,7 @@ class DenseTerms(eqx.Module):
 
     def constant(self) -> Bool[Array, ""]:
         """Whether every coefficient past the zeroth is zero."""
-        # Reversed: coefficient `j` is row `L - 1 - j`.
-        length = self.reversed.mantissa.shape[0] // 2
-        return lax.stop_gradient(jnp.all(self.reversed.mantissa[: length - 1] == 0))
+        return _only_zeroth(self.reversed.mantissa, axis=0)
 
 
 class FactoredTerms(eqx.Module):
@@ -142,9 +148,7 @@ class FactoredTerms(eqx.Module):
 
     def constant(self) -> Bool[Array, ""]:
         """Whether every scalar coefficient past the zeroth is zero."""
-        # Reversed: coefficient `j` is column `L - 1 - j`.
-        length = self.scalars.mantissa.shape[1] // 2
-        return lax.stop_gradient(jnp.all(self.scalars.mantissa[:, : length - 1] == 0))
+        return _only_zeroth(self.scalars.mantissa, axis=1)
 
     def weights(
         self, x: Scaled, m: Int[Array, ""], factor: Array
