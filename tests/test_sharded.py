@@ -26,7 +26,7 @@ _COLLECTIVE = re.compile(
 )
 
 
-def _run_checks(*names: str, **env: str) -> subprocess.CompletedProcess:
+def run_checks(*names: str, **env: str) -> subprocess.CompletedProcess:
     """Runs `check_<name>` for each name in a fresh process with 4 CPU devices."""
     flags = os.environ.get("XLA_FLAGS", "")
     env = {
@@ -44,28 +44,32 @@ def _run_checks(*names: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-def _assert_passed(result: subprocess.CompletedProcess, name: str) -> None:
+def assert_passed(result: subprocess.CompletedProcess, name: str) -> None:
     output = result.stdout + result.stderr
     assert f"PASSED {name}\n" in result.stdout, f"check {name!r} failed:\n{output}"
 
 
-# Compiling dominates these checks, and a process start costs seconds, so they all
-# share one process, which reports each check as PASSED or FAILED.
-_SHARED = (
-    "shard_map_queries",
-    "jit_queries",
-    "jit_queries_explicit",
+# Compiling dominates these checks, and a process start costs seconds, so each group
+# shares one process, which reports each check as PASSED or FAILED. The checks of
+# queries split over devices run in `test_split_queries.py`, so that a second pytest
+# worker runs them alongside these.
+SHARDED_TREE_CHECKS = (
     "sharded_tree",
     "sharded_communication",
     "sharded_ball_and_interpolator",
     "sharded_pairs",
+)
+SPLIT_QUERY_CHECKS = (
+    "shard_map_queries",
+    "jit_queries",
+    "jit_queries_explicit",
     "cpu_split",
 )
 
 
 @pytest.fixture(scope="module")
 def shared_checks() -> subprocess.CompletedProcess:
-    return _run_checks(*_SHARED)
+    return run_checks(*SHARDED_TREE_CHECKS)
 
 
 # --- Run in this process (one device) ---
@@ -170,36 +174,20 @@ def test_one_device_ball_query_and_interpolator_match_one_tree():
 # --- Run in a fresh process with 4 devices ---
 
 
-def test_shard_map_over_queries_keeps_their_sharding(shared_checks):
-    _assert_passed(shared_checks, "shard_map_queries")
-
-
 def test_sharded_tree_matches_one_tree(shared_checks):
-    _assert_passed(shared_checks, "sharded_tree")
+    assert_passed(shared_checks, "sharded_tree")
 
 
 def test_sharded_tree_communicates_only_candidates(shared_checks):
-    _assert_passed(shared_checks, "sharded_communication")
+    assert_passed(shared_checks, "sharded_communication")
 
 
 def test_sharded_ball_queries_and_interpolator_match_one_tree(shared_checks):
-    _assert_passed(shared_checks, "sharded_ball_and_interpolator")
+    assert_passed(shared_checks, "sharded_ball_and_interpolator")
 
 
 def test_sharded_pairs_and_counts_match_one_tree(shared_checks):
-    _assert_passed(shared_checks, "sharded_pairs")
-
-
-def test_queries_split_over_cpu_devices_match_one_device(shared_checks):
-    _assert_passed(shared_checks, "cpu_split")
-
-
-def test_jit_over_split_queries(shared_checks):
-    _assert_passed(shared_checks, "jit_queries")
-
-
-def test_jit_over_split_queries_on_an_explicit_mesh(shared_checks):
-    _assert_passed(shared_checks, "jit_queries_explicit")
+    assert_passed(shared_checks, "sharded_pairs")
 
 
 # --- The checks (executed by the fresh process) ---
