@@ -286,15 +286,16 @@ def test_program_size_does_not_grow_with_order(factored):
 
 
 @pytest.mark.x64
-@pytest.mark.parametrize("chunk", [1, 2, 3, 4, 16])
-@pytest.mark.parametrize("hermitian", [False, True])
-def test_cauchy_product_in_chunks(chunk, hermitian):
-    """`Y[m] = sum_a W[a] P[m - a]` against numpy for every chunk size (the default
+@pytest.mark.parametrize("window", [1, 2, 3, 4, 16])
+@pytest.mark.parametrize("pairing", ["none", "none at run time", "hermitian"])
+def test_cauchy_product_in_windows(window, pairing):
+    """`Y[m] = sum_a W[a] P[m - a]` against numpy for every window size (the default
     depends on n), with coefficients spanning 2^-600..2^0 and a zero row; with
     `hermitian`, `W = B^H` and `P = A B` for a Hermitian `A`, whose products pair up
     as adjoints."""
     rng = np.random.default_rng(7)
     length, n = 11, 3
+    hermitian = pairing == "hermitian"
 
     def random_scaled():
         mantissa = rng.normal(size=(length, n, n)) + 1j * rng.normal(
@@ -311,7 +312,9 @@ def test_cauchy_product_in_chunks(chunk, hermitian):
     else:
         w_values, p_values = random_scaled(), random_scaled()
     w, p = Scaled.of(jnp.asarray(w_values)), Scaled.of(jnp.asarray(p_values))
-    got = _cauchy_product(w, p, hermitian=jnp.asarray(hermitian), chunk=chunk).values()
+    # A Python `False` takes the scan (the general path), a traced flag the loop.
+    flag = False if pairing == "none" else jnp.asarray(hermitian)
+    got = _cauchy_product(w, p, hermitian=flag, window=window).values()
     wv, pv = np.asarray(w.values()), np.asarray(p.values())
     expected = np.stack(
         [sum(wv[a] @ pv[m - a] for a in range(m + 1)) for m in range(length)]

@@ -15,8 +15,6 @@ coefficients (the general path) makes each step of the first scan a Cauchy sum o
 compiled program does not grow with the order.
 """
 
-from typing import Any
-
 import equinox as eqx
 import jax
 import jax.lax as lax
@@ -275,134 +273,91 @@ def _propagators(
     return w[: order + 1], p
 
 
-def chunk_size(n: int) -> int:
-    """Terms per product in [`_cauchy_product`][], by measurement (complex128, K = 40,
-    2 cores, Hermitian pairing, interleaved runs): at n = 128 the product took 0.11 s
-    with 3 terms against 0.16 s with 1 or 2; at n = 64, 256 and 512 one term was
-    fastest (256: 0.73 s against 0.80 s with 2 and 0.87-0.90 s with 3 or 4; 512:
-    5.5 s against 5.8 s with 2 and 6.3 s with 4): longer products pay for the
-    chunks' unused terms and for copying their operands."""
-    return 3 if 96 <= n < 192 else 1
+def window_size(n: int) -> int:
+    """Left terms per product in [`_cauchy_product`][], by measurement (complex128,
+    Hermitian pairing, 2 cores, best of 3-20 interleaved runs of the product alone):
+    at n = 32, K = 100: 19, 17, 16, 17 ms with 1, 2, 4, 8 terms; n = 128, K = 40:
+    175, 164, 166 ms with 1, 2, 4; n = 256, K = 40: 712, 700, 816, 985 ms with 1, 2,
+    4, 8; n = 512, K = 40: 5.24 s with 1 against 5.54 s with 2. Wider windows save
+    steps and copies of the right term but compute products past the last term."""
+    return 4 if n < 64 else 2 if n < 384 else 1
 
 
-def _chunk_count(length: int, c: int) -> int:
-    """How many chunks of `c` terms cover the pairs `a <= m - a` of every `Y[m]`,
-    `m = 0..length - 1`."""
-    return int(np.sum((np.arange(length) // 2 + c) // c))
-
-
-def _next_chunk(
-    m: Int[Array, ""], a0: Int[Array, ""], c: int
-) -> tuple[Int[Array, ""], Int[Array, ""]]:
-    """The chunk after `(m, a0)`: `c` terms on, or the first of `Y[m + 1]`. Carried
-    by the scan rather than stored, so the program holds no array that grows with
-    the order."""
-    a0 = a0 + c
-    done = 2 * a0 > m
-    return jnp.where(done, m + 1, m), jnp.where(done, 0, a0)
+def _window_count(length: int, k: int) -> int:
+    """How many windows of `k` left terms cover the pairs `(a, c)`, `a + c <= K`, of
+    the general product (`K - c + 1` left terms for right term `c`)."""
+    return int(np.sum((np.arange(length, 0, -1) + k - 1) // k))
 
 
 def _cauchy_product(
     left: Scaled,
     right: Scaled,
     hermitian: bool | Bool[Array, ""] = False,
-    chunk: int | None = None,
+    window: int | None = None,
 ) -> Scaled:
     """`Y[m] = sum_a left[a] @ right[m - a]` for `m = 0..K`.
 
-    The terms pair up: `a` and `m - a`. One scan over chunks of `c` consecutive terms
-    `a <= m / 2` of one `Y[m]` (`chunk`, by default [`chunk_size`][]) computes their
-    sum `T` as one matrix product contracting the `c` terms, and the sum `U` of their
-    partners `a' = m - a >= m / 2` as another, the middle term `a = m / 2` counted
-    half in each. Where `hermitian` (`left[a] = B[a]^H` and `right[a] = A B[a]` with
-    `A` Hermitian, as for `W = V^H`, `P = X_0 V`), the partners are adjoints: `U` is
-    skipped and `Y = S + S^H` from the sums `S` of the `T`, half the products. The
-    operands are read from `left` forwards and from a reversed copy of `right`, both
-    padded with zeros so that every chunk's slices stay in bounds; every term is
-    scaled by an exact power of two relative to the largest term of its `Y[m]`,
-    known in advance from the exponents, so the chunks add up directly.
+    For each right term `c`, windows of `k` consecutive left terms `a` (`window`, by
+    default [`window_size`][]) are multiplied by it in one product: `left` is stored
+    as one tall matrix, so a window is a block of its rows, and the product's `k`
+    blocks are the terms of `Y[a + c], ..., Y[a + c + k - 1]`, added into those rows
+    of the result after scaling each by an exact power of two relative to the
+    largest term of its `Y[m]` (known in advance from the exponents), so that the
+    terms add up directly. Scaling the products rather than an operand saves a pass
+    over the operands, which XLA:CPU copies out of their arrays for every product.
+
+    Where `hermitian` (`left[a] = B[a]^H` and `right[a] = A B[a]` with `A`
+    Hermitian, as for `W = V^H`, `P = X_0 V`), the terms `(a, c)` and `(c, a)` are
+    adjoints: only `a <= c` are computed (the middle term `a = c` at half weight)
+    and `Y = S + S^H` from their sums `S`, half the products.
     """
-    length = left.exponent.shape[0]
-    c = chunk_size(left.mantissa.shape[-1]) if chunk is None else chunk
+    length, n = left.exponent.shape[0], left.mantissa.shape[-1]
+    order = length - 1
+    k = window_size(n) if window is None else window
     a = jnp.arange(length)[:, None]
     m = jnp.arange(length)[None, :]
     term_exponents = left.exponent[:, None] + right.exponent[jnp.maximum(m - a, 0)]
     top = jnp.max(jnp.where(m >= a, term_exponents, ZERO_EXPONENT), axis=0)
-    top = jnp.maximum(top, ZERO_EXPONENT)
-
-    # Both with `c - 1` zero rows before them and `c` after, where partner chunks
-    # (and the terms of a chunk past `m`) may reach; `right` reversed.
-    def padded(x, exponent, before, rows):
-        after = rows - before - length
-        return (
-            complex_factors(jnp.pad(x, [(before, after), (0, 0), (0, 0)])),
-            jnp.pad(exponent, (before, after), constant_values=ZERO_EXPONENT),
-        )
-
-    lefts = padded(left.mantissa, left.exponent, c - 1, length + 2 * c)
-    rights = padded(
-        jnp.flip(right.mantissa, axis=0),
-        jnp.flip(right.exponent),
-        c - 1,
-        length + 2 * c,
-    )
+    # `k` more rows, where the last window of a right term may reach.
+    top = jnp.pad(jnp.maximum(top, ZERO_EXPONENT), (0, k))
+    left_exponents = jnp.pad(left.exponent, (0, k), constant_values=ZERO_EXPONENT)
+    lefts = complex_factors(_padded(left.mantissa, length + k))
+    lefts = lefts.reshape(*lefts.shape[:-3], (length + k) * n, n)
+    rights = complex_factors(right.mantissa)
     real_dtype = left.mantissa.real.dtype
-    sum_of_products = (((0, 2), (0, 1)), ((), ()))
 
-    def chunk_sum(m, first, weight_of):
-        """`sum_a weight_of(a) left[a] @ right[m - a]` for `a = first..first + c - 1`,
-        each term also scaled relative to the largest of `Y[m]`."""
-        a = first + jnp.arange(c)
-        # Row `a` of `left` is row `a + c - 1` of its padded copy; row `m - a` of
-        # `right` is row `K - m + a + c - 1` of its reversed one.
-        lhs = _rows(lefts, first + c - 1, c)
-        rhs = _rows(rights, length - 2 - m + first + c, c)
-        exponents = jnp.maximum(lhs[1] + rhs[1], ZERO_EXPONENT) - top[m]
-        weights = powers_of_two(exponents, real_dtype) * weight_of(a)
-        return complex_product(lhs[0], rhs[0] * weights[:, None, None], sum_of_products)
+    def step(state):
+        total, c, a0 = state
+        lhs = lax.dynamic_slice_in_dim(lefts, a0 * n, k * n, axis=-2)
+        rhs = lax.dynamic_index_in_dim(rights, c, axis=-3, keepdims=False)
+        products = complex_product(lhs, rhs, (((1,), (0,)), ((), ())))
+        a = a0 + jnp.arange(k)
+        last = jnp.where(hermitian, jnp.minimum(c, order - c), order - c)
+        exponents = lax.dynamic_slice_in_dim(left_exponents, a0, k) + right.exponent[c]
+        exponents = jnp.maximum(exponents, ZERO_EXPONENT)
+        exponents = exponents - lax.dynamic_slice_in_dim(top, a0 + c, k)
+        half = jnp.where(hermitian & (a == c), 0.5, 1.0).astype(real_dtype)
+        # Windows reach past the last term; those products must add nothing.
+        weights = jnp.where(a <= last, powers_of_two(exponents, real_dtype) * half, 0)
+        rows = lax.dynamic_slice_in_dim(total, a0 + c, k)
+        rows = rows + weights[:, None, None] * products.reshape(k, n, n)
+        total = lax.dynamic_update_slice_in_dim(total, rows, a0 + c, 0)
+        next_c = a0 + k > last
+        return total, jnp.where(next_c, c + 1, c), jnp.where(next_c, 0, a0 + k)
 
-    def step(carry, _):
-        total, m, a0 = carry
-        # The chunk's terms, and (`a' = m - a`) their partners', which run backwards.
-        lower = chunk_sum(m, a0, lambda a: _pair_weight(m, a, real_dtype))
-        upper = lax.cond(
-            hermitian,
-            lambda: jnp.zeros_like(lower),
-            lambda: chunk_sum(
-                m, m - a0 - c + 1, lambda a: _pair_weight(m, m - a, real_dtype)
-            ),
-        )
-        row = lax.dynamic_index_in_dim(total, m, keepdims=False) + lower + upper
-        total = lax.dynamic_update_index_in_dim(total, row, m, 0)
-        return (total, *_next_chunk(m, a0, c)), None
-
-    start = jnp.zeros(left.mantissa.shape, left.mantissa.dtype)
     first = jnp.zeros((), jnp.int32)
-    (total, _, _), _ = lax.scan(
-        step, (start, first, first), None, length=_chunk_count(length, c)
-    )
+    state = (jnp.zeros((length + k, n, n), left.mantissa.dtype), first, first)
+    if isinstance(hermitian, bool) and not hermitian:
+        # A scan, which reverse-mode derivatives need: the general path.
+        count = _window_count(length, k)
+        state, _ = lax.scan(lambda s, _: (step(s), None), state, None, length=count)
+    else:
+        # The pairing, decided at run time, sets the number of windows.
+        state = lax.while_loop(lambda s: s[1] <= order, step, state)
+    total = state[0][:length]
     # Where the partners are adjoints, they are added once, at the end.
     total = jnp.where(hermitian, total + _adjoint(total), total)
-    return normalised(total, top)
-
-
-def _rows(
-    factors_and_exponent: tuple[Array, Array], start: Int[Array, ""], c: int
-) -> tuple[Array, Array]:
-    """Rows `start..start + c - 1` of prepared factors (indexed from the right) and
-    of their exponents."""
-    factors, exponent = factors_and_exponent
-    return (
-        lax.dynamic_slice_in_dim(factors, start, c, axis=-3),
-        lax.dynamic_slice_in_dim(exponent, start, c),
-    )
-
-
-def _pair_weight(m: Int[Array, ""], a: Int[Array, " c"], dtype: Any) -> Array:
-    """How much of term `a` of `Y[m]` a chunk of lower terms `a <= m / 2` carries:
-    all of it below the middle, half of the middle term (its partner is itself), none
-    above (those belong to the partners' chunks)."""
-    return jnp.where(2 * a < m, 1.0, jnp.where(2 * a == m, 0.5, 0.0)).astype(dtype)
+    return normalised(total, top[:length])
 
 
 def hermitian_shortcuts(
