@@ -26,10 +26,23 @@ def _entry_scale(matrix: Float[Array, "*batch m m"]) -> Float[Array, "*batch"]:
 def _lu_solve(
     matrix: Float[Array, "*batch m m"], rhs: Float[Array, "*batch m s"]
 ) -> tuple[Float[Array, "*batch m s"], Bool[Array, "*batch"]]:
-    """The LU solution, and whether it failed (an exactly zero pivot, as where scipy's
-    LAPACK solve raises, or an overflow)."""
-    solution = jnp.linalg.solve(matrix, rhs)
-    return solution, ~jnp.all(jnp.isfinite(solution), axis=(-2, -1))
+    """The LU solution, and whether the system is numerically singular: a pivot
+    within rounding (`m eps`) of zero relative to the largest entry, or a solution
+    that overflowed. An exactly singular system (collinear points under a linear
+    term) rarely gives an exactly zero pivot: the rounding of its entries, which
+    changes with how XLA compiles them, leaves a pivot of the order of `eps` and a
+    finite, meaningless solution."""
+    lu, _, permutation = lax.linalg.lu(matrix)
+    permuted = jnp.take_along_axis(rhs, permutation[..., None], axis=-2)
+    lower = lax.linalg.triangular_solve(
+        lu, permuted, left_side=True, lower=True, unit_diagonal=True
+    )
+    solution = lax.linalg.triangular_solve(lu, lower, left_side=True, lower=False)
+    pivots = jnp.abs(jnp.diagonal(lu, axis1=-2, axis2=-1))
+    size = matrix.shape[-1]
+    tolerance = size * jnp.finfo(matrix.dtype).eps * _entry_scale(matrix)
+    singular = jnp.min(pivots, axis=-1) <= tolerance
+    return solution, singular | ~jnp.all(jnp.isfinite(solution), axis=(-2, -1))
 
 
 def _solve_or_regularise(

@@ -80,7 +80,16 @@ def _support_radius_squared(
     usable = slope > 0
     newton = root - residual(root) / jnp.where(usable, slope, 1)
     radius2 = jnp.where(usable, newton, root)
-    return jnp.where(capped | (cap <= 0), jnp.maximum(jnp.max(squared), tiny), radius2)
+    farthest = jnp.maximum(_largest(squared), tiny)
+    return jnp.where(capped | (cap <= 0), farthest, radius2)
+
+
+def _largest(x: Float[Array, " k"]) -> Float[Array, ""]:
+    """The largest entry, differentiable as that one entry. `jnp.max`'s derivative
+    divides by how many entries equal the maximum, and a recomputation of `x` fused
+    into the gradient that rounds differently (as XLA:CPU's unoptimised code did)
+    makes that none: NaN."""
+    return x[jnp.argmax(x)]
 
 
 def _psi_derivative(t: Array) -> Array:
@@ -119,7 +128,7 @@ class MovingLeastSquares(AbstractLocalFit):
         # A lone point (all weights zero: every neighbour ties with the farthest) is
         # the degenerate case of the cap; equal weights keep the result finite.
         weights = jnp.where(jnp.any(weights > 0), weights, 1)
-        weights = weights / jnp.max(weights)
+        weights = weights / _largest(weights)
         used = weights > 0
         basis = monomials(offsets / jnp.sqrt(radius2), self.powers)
         basis = jnp.where(used[:, None], basis, 0)

@@ -110,6 +110,28 @@ def test_rbf_collinear_neighbourhood_is_finite_and_exact_on_the_line():
 
 
 @pytest.mark.x64
+@pytest.mark.x64
+def test_systems_singular_up_to_rounding_count_as_singular():
+    """A saddle-point system whose polynomial columns are dependent but for rounding
+    (collinear points under a linear term, entries rounded as compiled code may):
+    LU finds a tiny pivot rather than zero, and a finite, meaningless solution. It
+    must count as singular (and be regularised), as the exactly singular one does."""
+    from kdeqx._dense import _lu_solve
+
+    t = np.linspace(0.1, 1, 8)
+    kernel = np.exp(-20 * (t[:, None] - t[None, :]) ** 2)
+    rhs = jnp.asarray(np.concatenate([np.sin(3 * t), np.zeros(3)])[:, None])
+    for noise, singular in [(0, True), (4e-16, True), (1e-6, False)]:
+        # The third column is twice the second, off by `noise` relative.
+        third = 2 * t * (1 + noise * np.sin(7 * t))
+        poly = np.stack([np.ones_like(t), t, third], axis=1)
+        matrix = np.block([[kernel, poly], [poly.T, np.zeros((3, 3))]])
+        solution, flagged = _lu_solve(jnp.asarray(matrix), rhs)
+        assert bool(flagged) == singular, noise
+        if not singular:
+            np.testing.assert_allclose(solution, np.linalg.solve(matrix, rhs))
+
+
 def test_rbf_k_beyond_n_uses_every_point():
     points, values, x = _data(3, n=9)
     out = kdeqx.KDTree(points).interpolate(x, values, k=50, kernel="rbf")
