@@ -110,7 +110,6 @@ def test_rbf_collinear_neighbourhood_is_finite_and_exact_on_the_line():
 
 
 @pytest.mark.x64
-@pytest.mark.x64
 def test_systems_singular_up_to_rounding_count_as_singular():
     """A saddle-point system whose polynomial columns are dependent but for rounding
     (collinear points under a linear term, entries rounded as compiled code may):
@@ -132,6 +131,7 @@ def test_systems_singular_up_to_rounding_count_as_singular():
             np.testing.assert_allclose(solution, np.linalg.solve(matrix, rhs))
 
 
+@pytest.mark.x64
 def test_rbf_k_beyond_n_uses_every_point():
     points, values, x = _data(3, n=9)
     out = kdeqx.KDTree(points).interpolate(x, values, k=50, kernel="rbf")
