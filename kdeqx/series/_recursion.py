@@ -225,23 +225,26 @@ def _propagators(
     - `P[k - 1] = (X_0 V)[k - 1]`.
 
     `P` lags one step, so the scan runs to `K + 1`, with one slack row. From
-    [`PLANES_FROM`][] on, `V` is kept as real and imaginary planes too, for the sums
-    weighted by factored terms.
+    [`PLANES_FROM`][] on, a factored generator and observable read `V` as real and
+    imaginary planes, for their weighted sums, and `V` is kept as those alone.
     """
     length = order + 2
     n, dtype = _matrices(observable).shape[-1], _matrices(observable).dtype
     identity = Scaled(0.5 * jnp.eye(n, dtype=dtype), jnp.asarray(1, jnp.int32))
     start = zeros((length, n, n), dtype).with_row(jnp.asarray(0), identity)
-    use_planes = n >= PLANES_FROM
+    both_factored = isinstance(hamiltonian, FactoredTerms) and isinstance(
+        observable, FactoredTerms
+    )
+    use_planes = both_factored and n >= PLANES_FROM
 
     def step(carry, k):
         v, planes, w = carry
         m = k - 1
         step_factor = (1 / k.astype(jnp.finfo(dtype).dtype)).astype(dtype)
         one = jnp.ones((), dtype)
-        if isinstance(hamiltonian, FactoredTerms) and isinstance(
-            observable, FactoredTerms
-        ):
+        if both_factored:
+            assert isinstance(hamiltonian, FactoredTerms)
+            assert isinstance(observable, FactoredTerms)
             # Both weight V's rows: one pass over V for the two.
             h_weights, h_top = hamiltonian.weights(v, m, -1j * step_factor)
             x_weights, x_top = observable.weights(v, m, one)
@@ -264,12 +267,19 @@ def _propagators(
         if use_planes:
             new_planes = jnp.stack([new_v.mantissa.real, new_v.mantissa.imag])
             planes = lax.dynamic_update_index_in_dim(planes, new_planes, k, 0)
-        return (v.with_row(k, new_v), planes, w.with_row(k, new_w)), new_p
+            # V's mantissas live in its planes alone; its exponents are kept here.
+            exponent = lax.dynamic_update_index_in_dim(v.exponent, new_v.exponent, k, 0)
+            v = Scaled(v.mantissa, exponent)
+        else:
+            v = v.with_row(k, new_v)
+        return (v, planes, w.with_row(k, new_w)), new_p
 
-    planes = None
+    v, planes = start, None
     if use_planes:
         planes = jnp.stack([start.mantissa.real, start.mantissa.imag], axis=1)
-    (_, _, w), p = lax.scan(step, (start, planes, start), jnp.arange(1, length))
+        # No complex copy of V's coefficients: 16 n^2 (K + 2) bytes fewer.
+        v = Scaled(jnp.zeros((length, 0, 0), dtype), start.exponent)
+    (_, _, w), p = lax.scan(step, (v, planes, start), jnp.arange(1, length))
     return w[: order + 1], p
 
 
