@@ -465,3 +465,45 @@ def complex_product(
 
 def complex_product_reference(lhs: Array, rhs: Array, dimension_numbers) -> Array:
     return lax.dot_general(lhs, rhs, dimension_numbers)
+
+
+# ---------------------------------------------------------------------------------
+# Compiling small programs quickly.
+
+# XLA:CPU's older loop emitters and LLVM at -O1: for the operator series at n = 32,
+# K = 100 (complex128, 2 cores) the compile took 0.39-0.62 s against 0.84-1.35 s,
+# and the run 0.030 s against 0.028 s; at n = 256, K = 40 the run took 0.88 s
+# against 0.85 s (interleaved, best of 12), a cost worth paying only where compiling
+# dominates.
+_QUICK_START_OPTIONS = {
+    "xla_cpu_use_fusion_emitters": False,
+    "xla_backend_optimization_level": 1,
+}
+
+
+@ft.cache
+def quick_start_options() -> dict[str, object]:
+    """Compiler options that trade a little run time for a much shorter compile, for
+    programs whose first call is mostly compiling: XLA:CPU options that this jaxlib
+    knows (each checked once, on a trivial program), none on other backends."""
+    if jax.default_backend() != "cpu":
+        return {}
+    known = {}
+    for name, value in _QUICK_START_OPTIONS.items():
+        trivial = jax.jit(lambda x: x + 1, compiler_options={name: value})
+        try:
+            trivial.lower(jnp.zeros((), jnp.float32)).compile()
+        except jax.errors.JaxRuntimeError:  # an option this jaxlib does not have
+            continue
+        known[name] = value
+    return known
+
+
+def outside_any_trace() -> bool:
+    """Whether no transformation (`jit`, `vmap`, `grad`, ...) is tracing: only then
+    may a `jit` carry compiler options. False where this jax cannot tell."""
+    try:
+        from jax._src.core import trace_state_clean
+    except ImportError:
+        return False
+    return trace_state_clean()

@@ -268,3 +268,23 @@ def test_sort_edges_packs_three_keys_as_the_reference_sorts():
     reference = _backend.sort_edges_reference(*edges)
     for a, b in zip(ours, reference, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_quick_start_options_keep_only_the_options_this_jaxlib_knows(monkeypatch):
+    options = {"xla_no_such_option": 1, "xla_backend_optimization_level": 1}
+    monkeypatch.setattr(_backend, "_QUICK_START_OPTIONS", options)
+    _backend.quick_start_options.cache_clear()
+    try:
+        known = _backend.quick_start_options()
+    finally:
+        _backend.quick_start_options.cache_clear()
+    expected = {"xla_backend_optimization_level": 1}
+    assert known == (expected if jax.default_backend() == "cpu" else {})
+
+
+def test_outside_any_trace():
+    assert _backend.outside_any_trace()
+    seen = []
+    jax.jit(lambda x: seen.append(_backend.outside_any_trace()) or x)(1.0)
+    jax.vmap(lambda x: seen.append(_backend.outside_any_trace()) or x)(jnp.ones(2))
+    assert seen == [False, False]

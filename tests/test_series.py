@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import kdeqx
+from kdeqx import _backend
 from kdeqx.series._taylor import taylor_coefficients
 
 from .helpers import count_equations
@@ -565,6 +566,53 @@ def test_program_size_does_not_grow_with_order():
         hlo.append(len(jax.jit(lambda t: series(t)).lower(t).as_text()))
     assert equations[0] == equations[1]
     assert hlo[1] < 1.02 * hlo[0]
+
+
+@pytest.mark.x64
+def test_small_series_start_quickly_and_agree_inside_transformations(monkeypatch):
+    """At the top level a small series is compiled with the quick-start options; inside
+    `jit`, `vmap` and `grad` it is compiled with the caller's program. Both agree with
+    the closed form."""
+    from kdeqx.series import _series
+
+    asked = []
+
+    def spy():
+        asked.append(True)
+        return _backend.quick_start_options()
+
+    monkeypatch.setattr(_series, "quick_start_options", spy)
+    order, t = 14, jnp.float64(0.7)
+    series = question(jnp.float64, order)
+    assert series.size == 2
+    expected = question_closed_form(0.7, order)
+    top = series.normalised(t)
+    assert asked
+    asked.clear()
+    inside = [
+        jax.jit(lambda: series.normalised(t))(),
+        jax.jit(lambda t: series.normalised(t))(t),
+        jax.vmap(series.normalised)(jnp.stack([t, t]))[1],
+    ]
+    jax.grad(lambda t: series.normalised(t)[3, 0, 1].real)(t)
+    assert not asked
+    for got in [top, *inside]:
+        assert np.max(relative_errors(got, expected)) < 1e-12
+    # Beyond the quick-start size, the default options.
+    monkeypatch.setattr(_series, "QUICK_START_UP_TO", 1)
+    assert np.max(relative_errors(series.normalised(t), expected)) < 1e-12
+    assert not asked
+
+
+def test_size_of_array_and_callable_observables():
+    sx, sy, _ = pauli(jnp.float32)
+    assert kdeqx.OperatorSeries(lambda t: sy, sx, order=2).size == 2
+    assert kdeqx.OperatorSeries(lambda t: sy, lambda t: t * sx, order=2).size == 2
+    # Not one square matrix: no size, and the first evaluation says why.
+    series = kdeqx.OperatorSeries(lambda t: sy, lambda t: jnp.ones(3) * t, order=2)
+    assert series.size is None
+    with pytest.raises(ValueError, match="square"):
+        series(jnp.float32(1.0))
 
 
 @pytest.mark.x64

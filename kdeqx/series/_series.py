@@ -7,6 +7,7 @@ matrices; the Heisenberg recursion (`_recursion.py`) turns the expansions into
 does not grow with `K`.
 """
 
+import functools as ft
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Complex, Inexact, Int, Real, Shaped
 
+from .._backend import outside_any_trace, quick_start_options
 from ._recursion import (
     DenseTerms,
     FactoredTerms,
@@ -54,6 +56,46 @@ def _constant(value: Array) -> Callable[[Array], Array]:
     return lambda t: value
 
 
+def _size_of(observable: Callable[[Array], Array] | Array) -> int | None:
+    """`n` for an observable of shape `(n, n)`, found without computing anything; None
+    where its output is not one square matrix (which the first evaluation reports)."""
+    if callable(observable):
+        t = jnp.zeros((), jnp.result_type(float))
+        observable = eqx.filter_eval_shape(observable, t)
+    shape = getattr(observable, "shape", None)
+    if shape is None or len(shape) != 2 or shape[0] != shape[1]:
+        return None
+    return shape[0]
+
+
+# Up to this size a first call is mostly compiling (at n = 32, K = 100: 0.6-0.9 s of
+# compiling for a 0.03 s run), so it is compiled with `quick_start_options`.
+QUICK_START_UP_TO = 64
+
+
+def _jit(fn: Callable) -> Callable:
+    """`eqx.filter_jit(fn)` for functions of `(series, t)`, compiled for a quick start
+    where the series is small and the call is not inside another transformation (a
+    user's `jit` compiles it as part of their program, with their options)."""
+    plain = eqx.filter_jit(fn)
+
+    @ft.cache
+    def quick() -> Callable:
+        # `filter_jit` passes keywords on to `jax.jit`; its overloads omit them.
+        options = quick_start_options()
+        return eqx.filter_jit(fn, compiler_options=options)  # pyright: ignore
+
+    @ft.wraps(fn)
+    def call(series: "OperatorSeries", t: Real[Array, ""]):
+        size = series.size
+        small = size is not None and size <= QUICK_START_UP_TO
+        if small and outside_any_trace() and quick_start_options():
+            return quick()(series, t)
+        return plain(series, t)
+
+    return call
+
+
 class OperatorSeries(eqx.Module):
     """The operator sequence `X_0, X_1, ..., X_K` of a time-dependent generator.
 
@@ -80,6 +122,7 @@ class OperatorSeries(eqx.Module):
     observable: Callable[[Array], Array] | Inexact[Array, "n n"]
     order: int = eqx.field(static=True)
     factored: bool = eqx.field(static=True)
+    size: int | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -123,6 +166,7 @@ class OperatorSeries(eqx.Module):
         self.observable = observable
         self.order = int(order)
         self.factored = bool(factored)
+        self.size = _size_of(observable)
 
     def __call__(self, t: ArrayLike) -> Complex[Array, "terms n n"]:
         """The operators `X_0(t), ..., X_K(t)`.
@@ -329,7 +373,7 @@ def _generator_terms(series: OperatorSeries, t: Real[Array, ""]) -> tuple[Terms,
     return _terms(hamiltonian, dtype, length), _terms(x0, dtype, length)
 
 
-@eqx.filter_jit
+@_jit
 def _normalised_frexp(
     series: OperatorSeries, t: Real[Array, ""]
 ) -> tuple[Complex[Array, "terms n n"], Int[Array, " terms"]]:
@@ -338,7 +382,7 @@ def _normalised_frexp(
     return scaled.mantissa, scaled.exponent
 
 
-@eqx.filter_jit
+@_jit
 def _operators(
     series: OperatorSeries, t: Real[Array, ""]
 ) -> Complex[Array, "terms n n"]:
@@ -353,7 +397,7 @@ def _operators(
     )
 
 
-@eqx.filter_jit
+@_jit
 def _normalised(
     series: OperatorSeries, t: Real[Array, ""]
 ) -> Complex[Array, "terms n n"]:
