@@ -2,7 +2,7 @@
 nested `jacfwd` against `kdeqx.OperatorSeries`, in one run, then its cost at physics
 sizes.
 
-    python benchmarks/operator_series.py [--sections 1 2 3 4 5] [--repeats 20]
+    python benchmarks/operator_series.py [--sections 1 2 3 4 5 6] [--repeats 20]
         [--sizes 4 32 128 256 1024] [--orders 10 40 100] [--budget 120]
 
 Sections 1-4 use the question's problem, H = cos(t) sy, X_0 = sx, t = 1.
@@ -26,6 +26,8 @@ Sections 1-4 use the question's problem, H = cos(t) sy, X_0 = sx, t = 1.
    matrix), n <= 256. A measurement whose time, extrapolated as K^2 from the previous
    order at the same n, exceeds `--budget` seconds (`--factored-budget` for the
    factored path) is skipped and says so; one that takes over 20 s is run once.
+6. Section 5's driven series and its bound timed alternately, `--repeats` times each,
+   best of each: the run/bound ratio without the drift between separate runs.
 
 Times are on a shared CPU with every core given to XLA (nothing here has a native
 peer to match cores against): they move with the machine's load (printed).
@@ -162,7 +164,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-recursive-k", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--sections", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    parser.add_argument("--sections", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
     parser.add_argument("--sizes", type=int, nargs="+", default=[4, 32, 128, 256, 1024])
     parser.add_argument("--orders", type=int, nargs="+", default=[10, 40, 100])
     parser.add_argument("--budget", type=float, default=120.0)
@@ -182,6 +184,8 @@ def main():
         other_workloads(args)
     if 5 in args.sections:
         physics_sizes(args)
+    if 6 in args.sections:
+        interleaved_ratios(args)
     print("load average at end: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
@@ -441,6 +445,32 @@ def physics_sizes(args):
             budget.record(("mlp", n), order, run)
             terms = str(series.factored_terms())
             print(f"{n:>5} {order:>4} {terms:>12} {first:>10.3f} {run:>9.4g}")
+
+
+def interleaved_ratios(args):
+    """The series and its bound timed alternately, best of `--repeats` each: the
+    ratio that section 5 reports, without the drift between separate runs."""
+    print(
+        "\n6. Section 5's driven series against its bound, run alternately (best of "
+        f"{args.repeats} each)"
+    )
+    print(f"{'n':>5} {'K':>4} {'series [s]':>11} {'bound [s]':>10} {'run/bound':>10}")
+    t = jnp.float64(0.3)
+    bound = jax.jit(commutators, static_argnums=2)
+    for n in args.sizes:
+        problem = driven_problem(n)
+        for order in args.orders:
+            series = driven_series(problem, order)
+            run_series = lambda: series.normalised(t)  # noqa: E731
+            run_bound = lambda: bound(problem[0], problem[2], order)  # noqa: E731
+            best = [math.inf, math.inf]
+            for _ in range(args.repeats):
+                for i, fn in enumerate((run_series, run_bound)):
+                    best[i] = min(best[i], timed(fn)[1])
+            print(
+                f"{n:>5} {order:>4} {best[0]:>11.4g} {best[1]:>10.4g} "
+                f"{best[0] / best[1]:>10.2f}"
+            )
 
 
 if __name__ == "__main__":

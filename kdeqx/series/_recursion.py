@@ -299,6 +299,22 @@ def _window_count(length: int, k: int) -> int:
     return int(np.sum((np.arange(length, 0, -1) + k - 1) // k))
 
 
+def _window_products(lefts, rhs, a0, k: int, n: int, one_term):
+    """The products of `k` left terms from `a0` (rows of the tall `lefts`) with
+    `rhs`, as `(k n, n)` rows; a window of 2 that holds one term (`one_term`)
+    computes only that one, the other rows zero."""
+
+    def product(rows: int):
+        lhs = lax.dynamic_slice_in_dim(lefts, a0 * n, rows * n, axis=-2)
+        products = complex_product(lhs, rhs, (((1,), (0,)), ((), ())))
+        missing = jnp.zeros(((k - rows) * n, n), products.dtype)
+        return jnp.concatenate([products, missing])
+
+    if k != 2:
+        return product(k)
+    return lax.cond(one_term, lambda: product(1), lambda: product(2))
+
+
 def _cauchy_product(
     left: Scaled,
     right: Scaled,
@@ -338,11 +354,10 @@ def _cauchy_product(
 
     def step(state):
         total, c, a0 = state
-        lhs = lax.dynamic_slice_in_dim(lefts, a0 * n, k * n, axis=-2)
         rhs = lax.dynamic_index_in_dim(rights, c, axis=-3, keepdims=False)
-        products = complex_product(lhs, rhs, (((1,), (0,)), ((), ())))
         a = a0 + jnp.arange(k)
         last = jnp.where(hermitian, jnp.minimum(c, order - c), order - c)
+        products = _window_products(lefts, rhs, a0, k, n, a0 + 1 > last)
         exponents = lax.dynamic_slice_in_dim(left_exponents, a0, k) + right.exponent[c]
         exponents = jnp.maximum(exponents, ZERO_EXPONENT)
         exponents = exponents - lax.dynamic_slice_in_dim(top, a0 + c, k)
