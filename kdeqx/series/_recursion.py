@@ -362,7 +362,8 @@ def _cauchy_product(
         exponents = jnp.maximum(exponents, ZERO_EXPONENT)
         exponents = exponents - lax.dynamic_slice_in_dim(top, a0 + c, k)
         half = jnp.where(hermitian & (a == c), 0.5, 1.0).astype(real_dtype)
-        # Windows reach past the last term; those products must add nothing.
+        # Windows reach past the last term; those products (zero or, for windows
+        # of more than 2, computed) must add nothing.
         weights = jnp.where(a <= last, powers_of_two(exponents, real_dtype) * half, 0)
         rows = lax.dynamic_slice_in_dim(total, a0 + c, k)
         rows = rows + weights[:, None, None] * products.reshape(k, n, n)
