@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import kdeqx
+from kdeqx.series import _recursion
 from kdeqx.series._recursion import _cauchy_product
 from kdeqx.series._scaled import Scaled
 from kdeqx.series._taylor import (
@@ -168,6 +169,31 @@ def test_factored_path_equals_general_path(dtype, terms):
         fast_errors = relative_errors(values(fast, t), expected)
         general_errors = relative_errors(values(general, t), expected)
         assert np.all(fast_errors <= 4 * general_errors + 1e-5), order
+
+
+@pytest.mark.x64
+def test_general_path_in_halves_equals_the_whole_product(monkeypatch):
+    """From `HALVES_FROM` on (lowered here so that a small problem takes it), the
+    general path multiplies only the coefficients that can meet the generator's while
+    the order is in its first half: values and derivatives are those of the whole
+    product, bit for bit up to rounding."""
+    hamiltonian, observable = driven(jnp.float64, 2)
+    t = jnp.float64(0.4)
+
+    def run():
+        # New callables, so that nothing compiled before is reused.
+        series = kdeqx.OperatorSeries(
+            lambda t: hamiltonian(t), lambda t: observable(t), 9, factored=False
+        )
+        grad = jax.grad(lambda t: jnp.sum(jnp.abs(series.normalised(t)) ** 2))(t)
+        return values(series, t), grad
+
+    monkeypatch.setattr(_recursion, "HALVES_FROM", 10**9)
+    whole_values, whole_grad = run()
+    monkeypatch.setattr(_recursion, "HALVES_FROM", 1)
+    halves_values, halves_grad = run()
+    assert np.all(relative_errors(halves_values, whole_values) < 1e-13)
+    np.testing.assert_allclose(halves_grad, whole_grad, rtol=1e-12)
 
 
 @pytest.mark.x64

@@ -67,6 +67,14 @@ def _adjoint(x: Array) -> Array:
 _SUM_OF_PRODUCTS = (((0, 2), (0, 1)), ((), ()))
 
 
+# From this size on, the general path multiplies only the half of the coefficients
+# that can meet the generator's while the order is in its first half (the MLP
+# generator at n = 128, K = 40: 0.58 s against 0.67 s; the general path at n = 256,
+# K = 40: 4.6 s against 6.3 s). Below, the second product kernel cost more compile
+# time than it saved (n = 32, K = 100: +0.1 s of compile, -0.025 s of run).
+HALVES_FROM = 64
+
+
 class DenseTerms(eqx.Module):
     """A generator (or observable) given by its coefficients, `G(t + s) = sum_j G[j]
     s^j`, every coefficient its own matrix: the general path. Coefficient `m` of `G X`
@@ -85,12 +93,30 @@ class DenseTerms(eqx.Module):
         self, x: Scaled, m: Int[Array, ""], factor: Array, generator_first: bool
     ) -> Scaled:
         """`factor` times coefficient `m` of `G X` (or of `X G`), from the first `L`
-        coefficients of `X`, each term scaled relative to the largest."""
-        window = _window(self.reversed.exponent, m, axis=0)
+        coefficients of `X`, each term scaled relative to the largest.
+
+        Only `X[0..m]` meet a coefficient of `G` (the window is zero past them), so
+        from [`HALVES_FROM`][] on, while `m` is in the first half of the order, only
+        that half is multiplied: a quarter of the products of the whole recursion."""
+        if x.mantissa.shape[-1] < HALVES_FROM:
+            return self._product_of_first(x, m, factor, generator_first, None)
+        half = x.exponent.shape[0] // 2  # >= 1: the order's length is K + 2
+        return lax.cond(
+            m < half,
+            lambda: self._product_of_first(x, m, factor, generator_first, half),
+            lambda: self._product_of_first(x, m, factor, generator_first, None),
+        )
+
+    def _product_of_first(
+        self, x: Scaled, m, factor, generator_first: bool, rows: int | None
+    ) -> Scaled:
+        """The terms `G[m - i] X[i]` of [`DenseTerms.product`][] for `i < rows`."""
+        x = x[:rows]
+        window = _window(self.reversed.exponent, m, axis=0)[:rows]
         exponents = jnp.maximum(window + x.exponent, ZERO_EXPONENT)
         top = jnp.max(exponents)
         weights = powers_of_two(exponents - top, x.mantissa.real.dtype) * factor
-        generator = _window(self.reversed_factors, m, axis=-3)
+        generator = _window(self.reversed_factors, m, axis=-3)[..., :rows, :, :]
         weighted = complex_factors(x.mantissa * weights[:, None, None])
         pair = (generator, weighted) if generator_first else (weighted, generator)
         return normalised(complex_product(*pair, _SUM_OF_PRODUCTS), top)
