@@ -172,11 +172,10 @@ def test_factored_path_equals_general_path(dtype, terms):
 
 
 @pytest.mark.x64
-def test_general_path_in_halves_equals_the_whole_product(monkeypatch):
-    """From `HALVES_FROM` on (lowered here so that a small problem takes it), the
-    general path multiplies only the coefficients that can meet the generator's while
-    the order is in its first half: values and derivatives are those of the whole
-    product, bit for bit up to rounding."""
+def test_general_path_in_parts_equals_the_whole_product(monkeypatch):
+    """From `PARTS_FROM` on (lowered here so that a small problem takes it), the
+    general path multiplies only the parts of the order whose coefficients can meet
+    the generator's: values and derivatives are those of the whole product."""
     hamiltonian, observable = driven(jnp.float64, 2)
     t = jnp.float64(0.4)
 
@@ -188,12 +187,14 @@ def test_general_path_in_halves_equals_the_whole_product(monkeypatch):
         grad = jax.grad(lambda t: jnp.sum(jnp.abs(series.normalised(t)) ** 2))(t)
         return values(series, t), grad
 
-    monkeypatch.setattr(_recursion, "HALVES_FROM", 10**9)
+    monkeypatch.setattr(_recursion, "PARTS_FROM", 10**9)
     whole_values, whole_grad = run()
-    monkeypatch.setattr(_recursion, "HALVES_FROM", 1)
-    halves_values, halves_grad = run()
-    assert np.all(relative_errors(halves_values, whole_values) < 1e-13)
-    np.testing.assert_allclose(halves_grad, whole_grad, rtol=1e-12)
+    monkeypatch.setattr(_recursion, "PARTS_FROM", 1)
+    for parts in [2, 3, 8]:  # 8 parts of 11 coefficients: some of one, some of two
+        monkeypatch.setattr(_recursion, "PARTS", parts)
+        parts_values, parts_grad = run()
+        assert np.all(relative_errors(parts_values, whole_values) < 1e-13), parts
+        np.testing.assert_allclose(parts_grad, whole_grad, rtol=1e-12)
 
 
 @pytest.mark.x64
