@@ -499,11 +499,13 @@ def quick_start_options() -> dict[str, object]:
     return known
 
 
+try:  # private, so looked up once: jax versions without it cannot tell
+    from jax._src.core import trace_state_clean as _trace_state_clean
+except ImportError:
+    _trace_state_clean = None
+
+
 def outside_any_trace() -> bool:
     """Whether no transformation (`jit`, `vmap`, `grad`, ...) is tracing: only then
     may a `jit` carry compiler options. False where this jax cannot tell."""
-    try:
-        from jax._src.core import trace_state_clean
-    except ImportError:
-        return False
-    return trace_state_clean()
+    return _trace_state_clean is not None and _trace_state_clean()
