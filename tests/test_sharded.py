@@ -6,6 +6,7 @@ run this file as a script in a fresh process with 4 simulated CPU devices:
 `python tests/test_sharded.py CHECK...` runs the named `check_*` functions below.
 """
 
+import contextlib
 import functools as ft
 import os
 import re
@@ -505,6 +506,24 @@ def check_sharded_ball_and_interpolator():
     print("query_ball_point: candidates gathered, counts reduced; gradients equal")
 
 
+@contextlib.contextmanager
+def _compiles():
+    """The names of the programs XLA compiles within the block."""
+    import jax._src.monitoring as monitoring
+
+    compiled = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(kwargs.get("fun_name", "?"))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield compiled
+    finally:
+        monitoring.unregister_event_duration_listener(listener)
+
+
 def check_cpu_split():
     """A `KDTree` on a CPU with 4 devices splits large query batches over them, with
     the answers and gradients of one device, eagerly, under `jit` and under `vmap`."""
@@ -536,6 +555,21 @@ def check_cpu_split():
     assert len(distances.sharding.device_set) == NUM_DEVICES, distances.sharding
     assert len(reference[0][0].sharding.device_set) == 1
     _assert_same(split.query(x, 5), one.query(x, 5))  # eagerly
+
+    # Eager calls compile once (an eager `shard_map` used to compile on every call).
+    def eagerly():
+        jax.block_until_ready(
+            (
+                split.query(x, 5),
+                split.count_ball_point(x, radii),
+                split.query_ball_point(x, radii, 8),
+            )
+        )
+
+    eagerly()
+    with _compiles() as compiled:
+        eagerly()
+    assert compiled == [], compiled
     # Too few queries to be worth splitting: one device.
     small = split.query(x[:10], 5)[0]
     assert len(small.sharding.device_set) == 1, small.sharding
