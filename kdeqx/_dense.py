@@ -1,16 +1,21 @@
 """Small dense symmetric systems, batched over leading axes: one per query of a local
 interpolation, solved exactly when they are regular and regularised when not.
 
-Measured on XLA:CPU, LAPACK's batched LU (`jnp.linalg.solve`) beats eliminations
-written as array operations (masked or unrolled) for systems of 30-40 unknowns.
+Measured on XLA:CPU, LAPACK's batched LU (`jnp.linalg.solve`) is the fastest for
+systems of 30-40 unknowns (9 us each at 36 unknowns in float32), and elimination
+written as array operations the next (15 us).
 
-Known JAX issue (jax 0.10.2, CPU, seen on 2 cores): a program with two independent
-batched `jnp.linalg.solve`s of more than about 2,000 systems each can deadlock; the
-gradient of a `vmap` over single-query solves is such a program. Take gradients of
-the batched call instead (`jax.grad(lambda x: f(x).sum())`: queries are independent),
-which keeps every solve within a chunk of `_local._CHUNK` queries.
+LAPACK's kernels on XLA:CPU run in scipy's OpenBLAS, which can deadlock when two of
+them run at once in one process (seen with jax 0.10.2, OpenBLAS 0.3.30, 2 cores; not
+with `OPENBLAS_NUM_THREADS=1`). XLA runs them at once in two cases: independent
+batched solves of more than about 2,000 systems each in one program, which
+`_local._map_in_chunks` never makes, and a program split over several CPU devices,
+each solving its share. So where the CPU has several devices, the systems are solved
+by Gaussian elimination written as array operations (`_eliminate_solve`), with
+LAPACK's pivots.
 """
 
+import jax
 import jax.lax as lax
 import jax.numpy as jnp
 
@@ -45,6 +50,63 @@ def _lu_solve(
     return solution, singular | ~jnp.all(jnp.isfinite(solution), axis=(-2, -1))
 
 
+def _eliminate_solve(
+    matrix: Float[Array, "m m"], rhs: Float[Array, "m s"]
+) -> tuple[Float[Array, "m s"], Bool[Array, ""]]:
+    """As `_lu_solve`, for one system (`vmap` batches it), by Gaussian elimination
+    with partial pivoting in array operations: no LAPACK. Rows are not swapped: step
+    `j` takes as pivot the unused row of largest magnitude in column `j` (LU's
+    pivot) and eliminates the column from the unused rows; back substitution then
+    follows the pivot rows in reverse."""
+    m = matrix.shape[-1]
+    rows = jnp.arange(m)
+
+    def eliminate(j, carry):
+        augmented, used, pivot_rows, smallest = carry
+        column = augmented[:, j]
+        p = jnp.argmax(jnp.where(used, -1, jnp.abs(column))).astype(jnp.int32)
+        pivot = column[p]
+        used = used | (rows == p)
+        factors = jnp.where(used, 0, column / jnp.where(pivot != 0, pivot, 1))
+        augmented = augmented - factors[:, None] * augmented[p][None, :]
+        smallest = jnp.minimum(smallest, jnp.abs(pivot))
+        return augmented, used, pivot_rows.at[j].set(p), smallest
+
+    def substitute(i, solution):
+        j = m - 1 - i
+        row = augmented[pivot_rows[j]]
+        # The unknowns after `j` are known, those before still 0.
+        value = (row[m:] - row[:m] @ solution) / row[j]
+        return solution.at[j].set(value)
+
+    augmented = jnp.concatenate([matrix, rhs.astype(matrix.dtype)], axis=-1)
+    init = (
+        augmented,
+        jnp.zeros(m, bool),
+        jnp.zeros(m, jnp.int32),
+        jnp.array(jnp.inf, matrix.dtype),
+    )
+    augmented, _, pivot_rows, smallest = lax.fori_loop(0, m, eliminate, init)
+    solution = lax.fori_loop(0, m, substitute, jnp.zeros_like(augmented[:, m:]))
+    tolerance = m * jnp.finfo(matrix.dtype).eps * _entry_scale(matrix)
+    singular = smallest <= tolerance
+    return solution, singular | ~jnp.all(jnp.isfinite(solution))
+
+
+def lapack_may_deadlock() -> bool:
+    """Whether XLA may run LAPACK kernels at once: on a CPU with several devices."""
+    return jax.default_backend() == "cpu" and jax.device_count() > 1
+
+
+def _solve(matrix, rhs):
+    if not lapack_may_deadlock():
+        return _lu_solve(matrix, rhs)
+    solve = _eliminate_solve
+    for _ in range(matrix.ndim - 2):
+        solve = jax.vmap(solve)
+    return solve(matrix, rhs)
+
+
 def _solve_or_regularise(
     matrix: Float[Array, "*batch m m"],
     rhs: Float[Array, "*batch m s"],
@@ -53,7 +115,7 @@ def _solve_or_regularise(
     """`matrix^-1 rhs`, or for a numerically singular system the solution with
     `sqrt(eps)` times its largest entry times `ridge_signs` added to the diagonal (the
     second factorisation runs only when some system of the batch needs it)."""
-    solution, singular = _lu_solve(matrix, rhs)
+    solution, singular = _solve(matrix, rhs)
 
     def regularised(_):
         ridge = jnp.sqrt(jnp.finfo(matrix.dtype).eps) * _entry_scale(matrix)
@@ -61,7 +123,7 @@ def _solve_or_regularise(
         shifted = matrix + ridge[..., None] * jnp.eye(
             matrix.shape[-1], dtype=ridge.dtype
         )
-        retried, _ = _lu_solve(shifted, rhs)
+        retried, _ = _solve(shifted, rhs)
         return jnp.where(singular[..., None, None], retried, solution)
 
     return lax.cond(jnp.any(singular), regularised, lambda _: solution, None)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from ._custom_types import Array, Float
+from ._mesh import cpu_devices_for, split_rows_over
 from ._metric import EUCLIDEAN, minimum_image, Minkowski
 
 
@@ -100,7 +101,16 @@ def interpolate_locally(
     s = flat_values.shape[1]
     value_rows, extra_rows = rows[..., d : d + s], rows[..., d + s :]
 
-    fitted = _map_in_chunks(fit.fit, (offsets, value_rows, extra_rows))
+    arrays = (offsets, value_rows, extra_rows)
+    devices = cpu_devices_for(tree, x)
+    if len(devices) < 2:
+        fitted = _map_in_chunks(fit.fit, arrays)
+    else:
+        # Each device fits its own queries: left to XLA, a sequential map over chunks
+        # is not split, and every device fitted every query (3x slower than one).
+        fitted = split_rows_over(
+            devices, lambda *a: _map_in_chunks(fit.fit, a), *arrays
+        )
     return fitted.reshape(*batch, *values.shape[1:])
 
 

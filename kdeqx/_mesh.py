@@ -75,7 +75,7 @@ def split_over_cpu_devices(fn):
 
     @ft.wraps(fn)
     def split(tree, x, threshold, *config):
-        devices = _cpu_devices_for(tree, x)
+        devices = cpu_devices_for(tree, x)
         if len(devices) < 2:
             return fn(tree, x, threshold, *config)
         threshold = jnp.asarray(threshold)
@@ -115,6 +115,23 @@ def _split_queries(fn, devices: tuple, tree, x, threshold, config: tuple):
     return jax.tree.map(lambda a: a[:q].reshape(*batch, *a.shape[1:]), answers)
 
 
+def split_rows_over(devices: list, fn, *arrays):
+    """`fn(*arrays)`, for arrays whose leading axis is one row per query and an `fn`
+    whose outputs lead with it too, each device computing a block of the rows (the
+    last row repeated to whole blocks, its answers dropped)."""
+    q = arrays[0].shape[0]
+    rows = q + (-q) % len(devices)
+    mesh = Mesh(np.array(devices), ("cpu",))
+    spec = PartitionSpec("cpu")
+    placed = [
+        jax.device_put(_padded_rows(a, rows), NamedSharding(mesh, spec)) for a in arrays
+    ]
+    answers = jax.shard_map(
+        fn, mesh=mesh, in_specs=(spec,) * len(arrays), out_specs=spec, check_vma=False
+    )(*placed)
+    return jax.tree.map(lambda a: a[:q], answers)
+
+
 def _padded_rows(array, rows: int):
     missing = rows - array.shape[0]
     if missing == 0:
@@ -127,9 +144,10 @@ def _padded_rows(array, rows: int):
 _MIN_QUERIES_PER_DEVICE = 256
 
 
-def _cpu_devices_for(tree, x) -> list:
-    """The CPU devices to split the queries `x` over (none: do not split)."""
-    if not tree.split_queries or jax.default_backend() != "cpu":
+def cpu_devices_for(tree, x) -> list:
+    """The CPU devices to split the queries `x` over (none: do not split). A tree
+    without `split_queries` (a `ShardedKDTree`) splits its own way."""
+    if not getattr(tree, "split_queries", False) or jax.default_backend() != "cpu":
         return []
     devices = jax.devices()
     q = math.prod(x.shape[:-1])
@@ -151,7 +169,7 @@ def split_sum_over_cpu_devices(fn):
 
     @ft.wraps(fn)
     def split(tree, x, row_weights, *config):
-        devices = _cpu_devices_for(tree, x)
+        devices = cpu_devices_for(tree, x)
         if len(devices) < 2:
             return fn(tree, x, row_weights, *config)
         mesh = Mesh(np.array(devices), ("cpu",))

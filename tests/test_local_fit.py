@@ -109,14 +109,20 @@ def test_rbf_collinear_neighbourhood_is_finite_and_exact_on_the_line():
     assert np.all(np.isfinite(tree.interpolate(np.array([[0.5, 0.1]]), values, k=8)))
 
 
+def _solvers():
+    from kdeqx._dense import _eliminate_solve, _lu_solve
+
+    return {"lu": _lu_solve, "elimination": _eliminate_solve}
+
+
 @pytest.mark.x64
-def test_systems_singular_up_to_rounding_count_as_singular():
+@pytest.mark.parametrize("solver", ["lu", "elimination"])
+def test_systems_singular_up_to_rounding_count_as_singular(solver):
     """A saddle-point system whose polynomial columns are dependent but for rounding
     (collinear points under a linear term, entries rounded as compiled code may):
     LU finds a tiny pivot rather than zero, and a finite, meaningless solution. It
     must count as singular (and be regularised), as the exactly singular one does."""
-    from kdeqx._dense import _lu_solve
-
+    solve = _solvers()[solver]
     t = np.linspace(0.1, 1, 8)
     kernel = np.exp(-20 * (t[:, None] - t[None, :]) ** 2)
     rhs = jnp.asarray(np.concatenate([np.sin(3 * t), np.zeros(3)])[:, None])
@@ -125,10 +131,39 @@ def test_systems_singular_up_to_rounding_count_as_singular():
         third = 2 * t * (1 + noise * np.sin(7 * t))
         poly = np.stack([np.ones_like(t), t, third], axis=1)
         matrix = np.block([[kernel, poly], [poly.T, np.zeros((3, 3))]])
-        solution, flagged = _lu_solve(jnp.asarray(matrix), rhs)
+        solution, flagged = jax.jit(solve)(jnp.asarray(matrix), rhs)
         assert bool(flagged) == singular, noise
-        if not singular:
-            np.testing.assert_allclose(solution, np.linalg.solve(matrix, rhs))
+        if not singular:  # ill-conditioned (1e12): the residual is what is stable
+            assert np.max(np.abs(matrix @ solution - rhs)) < 1e-9
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_eliminate_solves_as_lu(dtype):
+    """The solver that replaces LAPACK on several CPU devices: saddle-point systems
+    with their zero block first (the first pivot must come from another row),
+    several right-hand sides, against float64 numpy, and a zero pivot found exactly
+    where LU finds one."""
+    from kdeqx._dense import _eliminate_solve, _lu_solve
+
+    rng = np.random.default_rng(0)
+    m, r = 12, 3
+    kernel = rng.standard_normal((40, m - r, m - r)) + 3 * np.eye(m - r)
+    poly = rng.standard_normal((40, m - r, r))
+    zeros = np.zeros((40, r, r))
+    matrix = np.block(
+        [[zeros, poly.transpose(0, 2, 1)], [poly, kernel + kernel.transpose(0, 2, 1)]]
+    )
+    matrix[-1] = 0  # singular: a zero pivot
+    rhs = rng.standard_normal((40, m, 2))
+    ours, ours_singular = jax.jit(jax.vmap(_eliminate_solve))(
+        matrix.astype(dtype), rhs.astype(dtype)
+    )
+    _, lu_singular = _lu_solve(jnp.asarray(matrix, dtype), jnp.asarray(rhs, dtype))
+    np.testing.assert_array_equal(ours_singular, lu_singular)
+    assert list(np.flatnonzero(ours_singular)) == [39]
+    expected = np.linalg.solve(matrix[:-1], rhs[:-1])
+    tolerance = 1e-3 if dtype == np.float32 else 1e-10
+    np.testing.assert_allclose(ours[:-1], expected, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.x64

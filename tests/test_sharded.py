@@ -527,6 +527,8 @@ def _compiles():
 def check_cpu_split():
     """A `KDTree` on a CPU with 4 devices splits large query batches over them, with
     the answers and gradients of one device, eagerly, under `jit` and under `vmap`."""
+    from scipy.interpolate import RBFInterpolator
+
     import kdeqx
 
     rng = np.random.default_rng(7)
@@ -576,6 +578,18 @@ def check_cpu_split():
 
     def loss(x, t):
         return t.query(x, 5)[0].sum() + t.interpolate(x, values, k=4).sum()
+
+    # Local fits on several devices solve without LAPACK, which could deadlock here
+    # (two devices in its kernels at once): scipy's local RBF and one device's.
+    many = rng.random((8192, 3)).astype(np.float32)
+    rbf = jax.jit(lambda t: t.interpolate(many, values[:, 0], k=12, kernel="rbf"))
+    ours = rbf(split)
+    np.testing.assert_allclose(ours, rbf(one), rtol=1e-4, atol=1e-4)
+    expected = RBFInterpolator(points, values[:, 0], neighbors=12)(many)
+    np.testing.assert_allclose(ours, expected, rtol=1e-3, atol=1e-3)
+    mls = jax.jit(lambda t: t.interpolate(many, values, k=12, kernel="mls"))
+    # (float32 moving least squares rounds differently as compiled: ~1e-3 at worst)
+    np.testing.assert_allclose(mls(split), mls(one), rtol=1e-3, atol=2e-3)
 
     # Pair counts: split too, with the answers of one device (1001 rows, not
     # divisible by 4: padded). (Pair searches stay on one device.)
