@@ -513,7 +513,7 @@ def _compiles():
 
     compiled = []
 
-    def listener(event, duration, **kwargs):
+    def listener(event, duration_secs, **kwargs):
         if event == "/jax/core/compile/backend_compile_duration":
             compiled.append(kwargs.get("fun_name", "?"))
 
