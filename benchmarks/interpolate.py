@@ -1,7 +1,7 @@
 """Interpolation and radius counting: kdeqx against scipy, one run.
 
     python benchmarks/interpolate.py [--n 1e6] [--queries 1e5] [--repeats 3]
-        [--local-queries 1e5]
+        [--local-queries 1e5] [--cpu-devices 1]
 
 Part 3 ("local fits") compares, at k = 32 on the same n points, kdeqx's
 `kernel="rbf"` (thin-plate spline, degree 1), `kernel="mls"` (degree 1) and IDW with
@@ -18,7 +18,9 @@ against `cKDTree.query(workers=1)` plus numpy weights. Then `count_ball_point` a
 8 points on average. Prints steady times (best of `--repeats`, after a warm-up), the
 first-call (trace + compile) overhead, ratios to scipy and the largest difference
 between the two results. Absolute times mean little on a shared CPU; the ratios,
-measured side by side in the same process, are the result.
+measured side by side in the same process, are the result. `--cpu-devices N` gives
+JAX N CPU devices, over which kdeqx splits the queries (and, for the local fits, solves
+without LAPACK: see `kdeqx/_dense.py`).
 """
 
 import argparse
@@ -91,12 +93,15 @@ def main():
     parser.add_argument("--d", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--local-queries", type=float, default=1e5)
+    parser.add_argument("--cpu-devices", type=int, default=1)
     args = parser.parse_args()
+    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     n, q, d = int(args.n), int(args.queries), args.d
 
     load = ", ".join(f"{avg:.1f}" for avg in os.getloadavg())
     print(
-        f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, "
+        f"device: {jax.device_count()} x {jax.devices()[0].device_kind}, jax "
+        f"{jax.__version__}, "
         f"{os.cpu_count()} CPU cores, load average {load} at start (a shared "
         "machine: compare ratios, not absolute times; XLA may use every core, scipy "
         "uses one)"
