@@ -108,9 +108,7 @@ def interpolate_locally(
     else:
         # Each device fits its own queries: left to XLA, a sequential map over chunks
         # is not split, and every device fitted every query (3x slower than one).
-        fitted = split_rows_over(
-            devices, lambda *a: _map_in_chunks(fit.fit, a), *arrays
-        )
+        fitted = split_rows_over(devices, lambda *a: _map_in_chunks(fit.fit, a), arrays)
     return fitted.reshape(*batch, *values.shape[1:])
 
 

@@ -88,46 +88,49 @@ def split_over_cpu_devices(fn):
 # compiled its body again on every call (0.85 s for a k = 8 query of 0.015 s).
 @eqx.filter_jit
 def _split_queries(fn, devices: tuple, tree, x, threshold, config: tuple):
-    mesh = Mesh(np.array(devices), ("cpu",))
     batch = x.shape[:-1]
     q = math.prod(batch)
-    # Whole blocks per device: the last query repeated, its answers dropped.
-    padded = ft.partial(_padded_rows, rows=q + (-q) % len(devices))
-    x = padded(x.reshape(q, x.shape[-1]))
-    per_query = jnp.ndim(threshold) > 0
-    if per_query:
-        threshold = padded(threshold.reshape(q))
-    queries, shared = PartitionSpec("cpu"), PartitionSpec()
-    specs = (shared, queries, queries if per_query else shared)
+    x = x.reshape(q, x.shape[-1])
+    if jnp.ndim(threshold) > 0:
+        answers = split_rows_over(
+            devices,
+            lambda t, x, th: fn(t, x, th, *config),
+            (x, threshold.reshape(q)),
+            shared=(tree,),
+        )
+    else:
+        answers = split_rows_over(
+            devices,
+            lambda t, th, x: fn(t, x, th, *config),
+            (x,),
+            shared=(tree, threshold),
+        )
+    return jax.tree.map(lambda a: a.reshape(*batch, *a.shape[1:]), answers)
+
+
+def split_rows_over(devices, fn, rows: tuple, shared: tuple = ()):
+    """`fn(*shared, *rows)`, for arrays `rows` whose leading axis is one row per query
+    and an `fn` whose outputs lead with it too: each device computes a block of the
+    rows (the last row repeated to whole blocks, its answers dropped), with a copy of
+    each of `shared`."""
+    q = rows[0].shape[0]
+    size = q + (-q) % len(devices)
+    mesh = Mesh(np.array(devices), ("cpu",))
+    split, copied = PartitionSpec("cpu"), PartitionSpec()
+    specs = (copied,) * len(shared) + (split,) * len(rows)
+    arrays = (*shared, *(_padded_rows(a, size) for a in rows))
     placed = [
         jax.device_put(a, NamedSharding(mesh, spec))
-        for a, spec in zip((tree, x, threshold), specs, strict=True)
+        for a, spec in zip(arrays, specs, strict=True)
     ]
     answers = jax.shard_map(
-        lambda t, x, th: fn(t, x, th, *config),
+        fn,
         mesh=mesh,
         in_specs=specs,
-        out_specs=queries,
+        out_specs=split,
         # The trees' own checks (`eqx.error_if`) are host callbacks, whose results
         # JAX cannot prove the same on every device.
         check_vma=False,
-    )(*placed)
-    return jax.tree.map(lambda a: a[:q].reshape(*batch, *a.shape[1:]), answers)
-
-
-def split_rows_over(devices: list, fn, *arrays):
-    """`fn(*arrays)`, for arrays whose leading axis is one row per query and an `fn`
-    whose outputs lead with it too, each device computing a block of the rows (the
-    last row repeated to whole blocks, its answers dropped)."""
-    q = arrays[0].shape[0]
-    rows = q + (-q) % len(devices)
-    mesh = Mesh(np.array(devices), ("cpu",))
-    spec = PartitionSpec("cpu")
-    placed = [
-        jax.device_put(_padded_rows(a, rows), NamedSharding(mesh, spec)) for a in arrays
-    ]
-    answers = jax.shard_map(
-        fn, mesh=mesh, in_specs=(spec,) * len(arrays), out_specs=spec, check_vma=False
     )(*placed)
     return jax.tree.map(lambda a: a[:q], answers)
 
