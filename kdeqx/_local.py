@@ -107,7 +107,7 @@ def interpolate_locally(
         fitted = _map_in_chunks(fit.fit, arrays)
     else:
         # Each device fits its own queries: left to XLA, a sequential map over chunks
-        # is not split, and every device fitted every query (3x slower than one).
+        # is not split, and every device fitted every query (rbf: 1.96 s, split 1.05 s).
         fitted = split_rows_over(devices, lambda *a: _map_in_chunks(fit.fit, a), arrays)
     return fitted.reshape(*batch, *values.shape[1:])
 
