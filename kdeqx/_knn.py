@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from ._backend import lexicographic_less
 from ._custom_types import Array, Bool, Float, Int, Neighbours, Queries, Threshold
-from ._merge import merge_k_best
+from ._merge import leaves_per_merge, merge_k_best
 from ._mesh import split_like_queries, split_over_cpu_devices
 from ._metric import Minkowski
 from ._search import found_distances, search
@@ -41,6 +41,9 @@ class _KNearest(AbstractVisitor):
     def should_visit(self, state, box_d2, min_index) -> Bool[Array, ""]:
         d2, indices = state
         return lexicographic_less(box_d2, min_index, d2[-1], indices[-1])
+
+    def leaves_per_visit(self, leaf_size: int) -> int:
+        return leaves_per_merge(self.k, leaf_size)
 
     def visit_leaf(self, state, d2, indices) -> _KnnState:
         best_d2, best_indices = state

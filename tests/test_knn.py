@@ -5,6 +5,7 @@ import pytest
 from scipy.spatial import cKDTree
 
 import kdeqx
+from kdeqx._merge import leaves_per_merge
 
 from .helpers import (
     assert_knn_correct,
@@ -199,6 +200,20 @@ def test_large_k_matches_brute_force(k, dtype):
     points = lattice(rng, 600, 3).astype(dtype)  # exact distances, ties everywhere
     x = lattice_queries(rng, 300, 3, side=9).astype(dtype)
     distances, indices = jit_query(kdeqx.KDTree(points), x, k)
+    assert_knn_correct(points, x, k, distances, indices, exact_ties=True)
+
+
+@pytest.mark.parametrize("leaf_size", [8, 32])
+def test_several_leaves_per_merge_match_brute_force(leaf_size):
+    # For large k the walk gathers several leaves (up to 8) before each merge,
+    # pruning meanwhile with the k-th distance from before them.
+    k = 100
+    assert leaves_per_merge(k, leaf_size) > 1
+    rng = np.random.default_rng(leaf_size)
+    points = lattice(rng, 500, 3)
+    x = lattice_queries(rng, 200, 3, side=9)
+    tree = kdeqx.KDTree(points, leaf_size=leaf_size)
+    distances, indices = jit_query(tree, x, k)
     assert_knn_correct(points, x, k, distances, indices, exact_ties=True)
 
 
