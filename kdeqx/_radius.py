@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from ._backend import sort_pairs
 from ._custom_types import Array, Ball, Bool, Float, Int, Queries, Threshold
-from ._merge import merge_k_best, RANK_MERGE_MAX_K
+from ._merge import leaves_per_merge, merge_k_best, RANK_MERGE_MAX_K
 from ._mesh import split_like_queries, split_over_cpu_devices
 from ._metric import Minkowski
 from ._search import found_distances, search
@@ -58,6 +58,10 @@ class _BallCollect(AbstractVisitor):
 
     def should_visit(self, state, box_d2, min_index) -> Bool[Array, ""]:
         return box_d2 <= self.r2
+
+    def leaves_per_visit(self, leaf_size: int) -> int:
+        # The merges cost the same for several leaves; the pruning uses no state.
+        return leaves_per_merge(self.k, leaf_size) if self.nearest else 1
 
     def visit_leaf(self, state, d2, indices):
         kept_d2, kept_indices, count = state

@@ -44,24 +44,27 @@ def test_count_with_a_scalar_radius_and_single_query():
 
 
 @pytest.mark.parametrize(
-    "dtype, capacity",
-    [(dtype, capacity) for dtype in DTYPES for capacity in (12, 100)]
-    + [(np.float64, 1000)],  # beyond n: one dtype (it compiles the largest program)
+    "dtype, capacity, m",
+    [(dtype, capacity, 40) for dtype in DTYPES for capacity in (12, 100)]
+    + [(np.float64, 1000, 40)]  # beyond n: one dtype (it compiles the largest program)
+    # More queries than lanes: the lanes' walk, which keeps the nearest 100 of an
+    # overflowing ball by merging two leaves at a time.
+    + [(np.float32, 100, 300)],
 )
-def test_query_ball_point_returns_the_nearest_within_r(dtype, capacity):
+def test_query_ball_point_returns_the_nearest_within_r(dtype, capacity, m):
     # Capacities beyond 16 collect, then sort (or keep the nearest by bitonic networks
     # when a query overflows); beyond n, only n.
     rng = np.random.default_rng(1)
     points = rng.random((800, 3)).astype(dtype)
-    x = rng.random((40, 3)).astype(dtype)
-    r = (rng.random(40) * (0.25 if capacity == 12 else 0.7)).astype(dtype)
+    x = rng.random((m, 3)).astype(dtype)
+    r = (rng.random(m) * (0.25 if capacity == 12 else 0.7)).astype(dtype)
     tree = kdeqx.KDTree(points)
     # As numpy arrays: slicing a JAX array by varying bounds compiles each slice.
     distances, indices, counts = map(np.asarray, tree.query_ball_point(x, r, capacity))
-    assert indices.shape == (40, capacity)
+    assert indices.shape == (m, capacity)
     inside, d = _brute_ball(points.astype(np.float64), x.astype(np.float64), r)
     reference = cKDTree(points).query_ball_point(x, r)
-    for q in range(40):
+    for q in range(m):
         assert counts[q] == len(inside[q]) == len(reference[q])
         order = inside[q][np.lexsort((inside[q], d[q, inside[q]]))][:capacity]
         m = len(order)
