@@ -507,12 +507,13 @@ def walk_many(
         def gather(r, carry):
             node, previous, d2s, indices = carry
             d2, index, at_leaf, _, after = entries(x, node)
-            at_leaf_ = at_leaf[:, None]
+            # A lane not at a leaf contributes padding, which changes no state.
+            padding = ~at_leaf[:, None]
             d2s = lax.dynamic_update_slice_in_dim(
-                d2s, jnp.where(at_leaf_, d2, jnp.inf), r * size, axis=1
+                d2s, jnp.where(padding, jnp.inf, d2), r * size, axis=1
             )
             indices = lax.dynamic_update_slice_in_dim(
-                indices, jnp.where(at_leaf_, index, tree.n), r * size, axis=1
+                indices, jnp.where(padding, tree.n, index), r * size, axis=1
             )
             previous = jnp.where(at_leaf, node, previous)
             node, previous = advance(x, visitor, state, after, previous)
