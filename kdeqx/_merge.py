@@ -42,7 +42,7 @@ def leaves_per_merge(k: int, leaf_size: int) -> int:
     `AbstractVisitor.leaves_per_visit`): about `k / (2 leaf_size)`, at most 8.
 
     A network merge costs about `K log K` for `K >= k` keys however few leaves it
-    takes in, so from k = 128 on it pays to take several; the walk then prunes with
+    takes in, so beyond k = 64 it pays to take several; the walk then prunes with
     a staler k-th distance. Measured with leaves of 32 (float32, n = 1e5, Q = 1e4,
     3-D; 2 CPU devices, then one core): k = 64, 1 leaf 0.058 s, 2 leaves 0.095 s;
     k = 128, 1, 2, 4: 0.142, 0.118, 0.145 s and 0.210, 0.203, 0.192 s; k = 256, 1,

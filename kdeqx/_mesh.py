@@ -91,7 +91,7 @@ def _split_queries(fn, devices: tuple, tree, x, threshold, config: tuple):
     batch = x.shape[:-1]
     q = math.prod(batch)
     x = x.reshape(q, x.shape[-1])
-    if jnp.ndim(threshold) > 0:
+    if jnp.ndim(threshold) > 0:  # one threshold per query: split with the queries
         answers = split_rows_over(
             devices,
             lambda t, x, th: fn(t, x, th, *config),
@@ -100,10 +100,7 @@ def _split_queries(fn, devices: tuple, tree, x, threshold, config: tuple):
         )
     else:
         answers = split_rows_over(
-            devices,
-            lambda t, th, x: fn(t, x, th, *config),
-            (x,),
-            shared=(tree, threshold),
+            devices, lambda t, th, x: fn(t, x, th, *config), (x,), (tree, threshold)
         )
     return jax.tree.map(lambda a: a.reshape(*batch, *a.shape[1:]), answers)
 

@@ -492,10 +492,6 @@ def walk_many(
 
     per_visit = visitors.leaves_per_visit(tree.leaf_size)
     assert per_visit == 1 or sink is None, "emitting visitors visit leaf by leaf"
-    entries = jax.vmap(steps.leaf_entries)
-    fold = jax.vmap(
-        lambda v, s, d2, i: v.visit_leaf(s, d2, i), in_axes=(visitor_axis, 0, 0, 0)
-    )
 
     def visit_several(x, visitor, state, node, previous):
         """Each lane's next `per_visit` leaves, gathered while the walk moves on with
@@ -503,6 +499,10 @@ def walk_many(
         of several leaves costs about what one leaf's did (k = 512: the 9 stages of
         a 512-key network, for one leaf of 32 or for eight)."""
         size = tree.leaf_size
+        entries = jax.vmap(steps.leaf_entries)
+        fold = jax.vmap(
+            lambda v, s, d2, i: v.visit_leaf(s, d2, i), in_axes=(visitor_axis, 0, 0, 0)
+        )
 
         def gather(r, carry):
             node, previous, d2s, indices = carry
