@@ -110,7 +110,7 @@ def _solve(matrix, rhs):
 def _solve_or_regularise(
     matrix: Float[Array, "*batch m m"],
     rhs: Float[Array, "*batch m s"],
-    ridge_signs: Float[Array, " m"],
+    ridge_signs: Float[Array, "*#batch m"],
 ) -> Float[Array, "*batch m s"]:
     """`matrix^-1 rhs`, or for a numerically singular system the solution with
     `sqrt(eps)` times its largest entry times `ridge_signs` added to the diagonal (the
@@ -127,6 +127,29 @@ def _solve_or_regularise(
         return jnp.where(singular[..., None, None], retried, solution)
 
     return lax.cond(jnp.any(singular), regularised, lambda _: solution, None)
+
+
+@jax.custom_batching.custom_vmap
+def _solve_as_one_batch(
+    matrix: Float[Array, "*batch m m"],
+    rhs: Float[Array, "*batch m s"],
+    ridge_signs: Float[Array, "*#batch m"],
+) -> Float[Array, "*batch m s"]:
+    """[`_solve_or_regularise`][], which under `vmap` solves the mapped systems as one
+    batch: a vmapped `lax.cond` on a per-system predicate becomes a `select` that
+    runs both branches, and the second factorisation ran for every system (at
+    n = 1e6, k = 32, 20,000 queries: 0.63 s of fitting against 0.32 s)."""
+    return _solve_or_regularise(matrix, rhs, ridge_signs)
+
+
+@_solve_as_one_batch.def_vmap
+def _solve_mapped(axis_size, in_batched, matrix, rhs, ridge_signs):
+    def leading(x, batched):
+        return x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+
+    matrix, rhs, ridge_signs = map(leading, (matrix, rhs, ridge_signs), in_batched)
+    # Called again, so that an outer `vmap` also lands here.
+    return _solve_as_one_batch(matrix, rhs, ridge_signs), True
 
 
 def solve_symmetric(
@@ -151,6 +174,6 @@ def solve_symmetric(
         return matrix @ vector
 
     def solve(_, vector):
-        return _solve_or_regularise(lax.stop_gradient(matrix), vector, ridge_signs)
+        return _solve_as_one_batch(lax.stop_gradient(matrix), vector, ridge_signs)
 
     return lax.custom_linear_solve(matvec, rhs, solve, symmetric=True)

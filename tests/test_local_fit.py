@@ -166,6 +166,58 @@ def test_eliminate_solves_as_lu(dtype):
     np.testing.assert_allclose(ours[:-1], expected, rtol=tolerance, atol=tolerance)
 
 
+def _factorisations_outside_cond(jaxpr) -> int:
+    """How many LU factorisations a jaxpr runs unconditionally."""
+    count = 0
+    for equation in jaxpr.eqns:
+        if equation.primitive.name == "cond":
+            continue
+        count += equation.primitive.name == "lu"
+        for param in equation.params.values():
+            for inner in param if isinstance(param, tuple) else (param,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    count += _factorisations_outside_cond(inner)
+    return count
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_mapped_solves_retry_only_the_batch_that_needs_it(dtype):
+    """`solve_symmetric` under `vmap` (as the local fits call it, once per query)
+    solves the systems as one batch: as unmapped, the regularised second
+    factorisation stays inside the `cond` that skips it, which a vmapped `cond` on
+    a per-system predicate would turn into a `select` running both. The results
+    equal the batched call's and numpy's, with a singular system among them
+    regularised to a finite solution."""
+    from kdeqx._dense import lapack_may_deadlock, solve_symmetric
+
+    if lapack_may_deadlock():
+        pytest.skip("several CPU devices: elimination, not LU")
+    rng = np.random.default_rng(1)
+    half = rng.standard_normal((6, 5, 5))
+    matrix = half @ half.transpose(0, 2, 1) + 5 * np.eye(5)
+    matrix[2] = np.outer(np.ones(5), np.ones(5))  # rank one: singular
+    matrix, rhs = jnp.asarray(matrix, dtype), jnp.asarray(rng.random((6, 5, 1)), dtype)
+
+    mapped = jax.vmap(solve_symmetric)
+
+    def unconditional(fn):
+        return _factorisations_outside_cond(jax.make_jaxpr(fn)(matrix, rhs).jaxpr)
+
+    assert unconditional(mapped) == unconditional(solve_symmetric) > 0
+
+    ours, batched = jax.jit(mapped)(matrix, rhs), jax.jit(solve_symmetric)(matrix, rhs)
+    np.testing.assert_array_equal(ours, batched)
+    assert np.all(np.isfinite(ours[2]))
+    regular = np.array([0, 1, 3, 4, 5])
+    ours = np.asarray(ours)
+    expected = np.linalg.solve(
+        np.asarray(matrix, np.float64)[regular], np.asarray(rhs, np.float64)[regular]
+    )
+    tolerance = 1e-4 if dtype == np.float32 else 1e-10
+    np.testing.assert_allclose(ours[regular], expected, rtol=tolerance, atol=tolerance)
+
+
 def test_float32_rbf_on_dense_points_matches_scipy():
     """Dense points (n = 1e6 in the unit cube) give thin-plate entries of ~1e-3
     beside polynomial ones of ~1: no regular system may be mistaken for singular
