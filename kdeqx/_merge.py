@@ -2,10 +2,10 @@
 
 Two merges of a leaf into the sorted best list, with the same answers:
 
-- by ranks (`k <= RANK_MERGE_MAX_K`): each entry's merged position is a count of
-  comparisons, `O(k^2 + k L + L^2)` work for `L` leaf entries, all vectorised: the
-  fastest for small `k`;
-- by bitonic networks (larger `k`): the leaf is sorted by one network, folded into the
+- by ranks (`k <= RANK_MERGE_MAX_K` and `L <= RANK_MERGE_MAX_LEAF`): each entry's
+  merged position is a count of comparisons, `O(k^2 + k L + L^2)` work for `L` leaf
+  entries, all vectorised: the fastest for small `k` and small leaves;
+- by bitonic networks (otherwise): the leaf is sorted by one network, folded into the
   best list by an elementwise minimum with its reverse (which leaves the `K` smallest of
   both as one bitonic sequence), and that is sorted by a bitonic merge: `O(K log K +
   L log^2 L)` work, `K` the next power of two `>= k`, and nothing of size `k x k`.
@@ -33,6 +33,11 @@ from ._custom_types import Array, Float, Int
 # up to here (k = 8: 0.017 s against 0.021 s; k = 16: 0.027 against 0.030), the
 # networks beyond (k = 24: 0.029 against 0.038; k = 32: 0.035 against 0.053).
 RANK_MERGE_MAX_K = 16
+# ... and for leaves of at most this many entries: its leaf-by-leaf comparisons grow
+# as `L^2`. k = 8, n = 1e6, Q = 1e5, 2 devices, by ranks against by networks:
+# leaves of 32, 0.15 s against 0.22 s; 40, 0.36 against 0.43 s; 48, 0.47 against
+# 0.41 s; 64, 0.72 against 0.35 s.
+RANK_MERGE_MAX_LEAF = 40
 
 _Keys = tuple[Array, ...]
 
@@ -65,7 +70,7 @@ def merge_k_best(
     No real point appears twice. Squared distances are `>= 0` (the leaf's padding is
     `(inf, n)`) and indices `>= -1`.
     """
-    if best_d2.shape[0] <= RANK_MERGE_MAX_K:
+    if best_d2.shape[0] <= RANK_MERGE_MAX_K and d2.shape[0] <= RANK_MERGE_MAX_LEAF:
         return merge_by_ranks(best_d2, best_indices, d2, indices)
     return merge_by_networks(best_d2, best_indices, d2, indices)
 

@@ -191,9 +191,9 @@ def test_lane_count_per_backend():
 @pytest.mark.parametrize("merge", [merge_k_best, merge_by_ranks, merge_by_networks])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [1, 4, 9, 33, 100])
-def test_merges_keep_the_k_smallest_pairs(merge, dtype, k):
+@pytest.mark.parametrize("leaf", [8, 64])
+def test_merges_keep_the_k_smallest_pairs(merge, dtype, k, leaf):
     rng = np.random.default_rng(k)
-    leaf = 8
     for _ in range(20):
         best = sorted(
             zip(rng.integers(0, 5, k).astype(dtype), rng.permutation(200)[:k])
