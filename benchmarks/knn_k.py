@@ -1,14 +1,16 @@
 """kNN against k, side by side with the native trees, cores matched.
 
     python benchmarks/knn_k.py [--n 1e5] [--queries 1e4] [--k 8 32 128 512]
-        [--data uniform clustered] [--cpu-devices 2]
+        [--data uniform clustered clustered-inside surface line] [--cpu-devices 2]
 
 For each k: kdeqx, scipy's cKDTree with workers=1 and workers=-1, and pykdtree (if
 installed, `pip install -e ".[bench]"`), on the same data in one process, best of
 `--repeats`, first with every core and then with the whole process pinned to core 0
 (as `taskset -c 0`). Ratios are to the best native tree in the same setting.
-`--cpu-devices N` gives JAX N CPU devices, over which kdeqx splits the queries (the
-default: one, as JAX starts).
+Data: uniform; 64 tight blobs with queries uniform in the cube (mostly between the
+blobs) or drawn from the blobs; a curved sheet and a thin curve, queries uniform in
+the cube (far from most points: the walk's worst case). `--cpu-devices N` gives JAX
+N CPU devices, over which kdeqx splits the queries (the default: one, as JAX starts).
 """
 
 import argparse
@@ -49,6 +51,41 @@ def clustered(rng, n, d):
     return centres[rng.integers(0, 64, n)] + 0.01 * rng.standard_normal((n, d))
 
 
+def surface(rng, n, d):
+    """A curved sheet: the last coordinate a smooth function of the first two."""
+    points = rng.random((n, d))
+    points[:, -1] = 0.5 + 0.3 * np.sin(6 * points[:, 0]) * np.cos(4 * points[:, 1])
+    return points
+
+
+def line(rng, n, d):
+    """A curve through the cube, thickened by 1e-4."""
+    s = rng.random(n)
+    points = np.full((n, d), 0.5)
+    points[:, 0], points[:, 1] = s, 0.5 + 0.2 * np.sin(5 * s)
+    return points + 1e-4 * rng.standard_normal((n, d))
+
+
+# name -> (points, where the queries are: uniform in the unit cube, or drawn from the
+# points' own distribution, as fresh samples).
+DATA = {
+    "uniform": (uniform, "cube"),
+    "clustered": (clustered, "cube"),
+    "clustered-inside": (clustered, "points"),
+    "surface": (surface, "cube"),
+    "line": (line, "cube"),
+}
+
+
+def points_and_queries(data, n, q, d):
+    rng = np.random.default_rng(0)
+    make, queries_from = DATA[data]
+    if queries_from == "cube":
+        return make(rng, n, d), rng.random((q, d))
+    both = make(rng, n + q, d)  # one draw, so that blobs' centres are shared
+    return both[:n], both[n:]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=float, default=1e5)
@@ -56,7 +93,7 @@ def main():
     parser.add_argument("--k", type=int, nargs="+", default=[8, 32, 128, 512])
     parser.add_argument("--d", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--data", nargs="+", default=["uniform"])
+    parser.add_argument("--data", nargs="+", default=["uniform"], choices=list(DATA))
     parser.add_argument("--cpu-devices", type=int, default=1)
     args = parser.parse_args()
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)
@@ -65,10 +102,8 @@ def main():
 
 
 def run(args, data):
-    rng = np.random.default_rng(0)
-    make = {"uniform": uniform, "clustered": clustered}[data]
-    points = make(rng, int(args.n), args.d).astype(np.float32)
-    x = rng.random((int(args.queries), args.d)).astype(np.float32)
+    points, x = points_and_queries(data, int(args.n), int(args.queries), args.d)
+    points, x = points.astype(np.float32), x.astype(np.float32)
     print(
         f"{jax.device_count()} x {jax.devices()[0].device_kind}, jax "
         f"{jax.__version__}; n = {len(points):,}, Q = {len(x):,}, d = {args.d}, "
