@@ -667,7 +667,9 @@ class KDTree(AbstractKDTree):
             the fastest we measured for 3-D kNN on CPU; like scipy's `leafsize`, a
             tuning parameter: answers do not depend on it). Larger leaves make a
             shallower tree and more brute-force work per visited leaf; powers of two
-            build fastest.
+            build fastest. Measured (k = 8, n = 1e6, 1e5 uniform queries, 2 CPU
+            devices): leaves of 16, 24 or 32 query in 0.14-0.15 s, of 40, 48 or 64
+            in 0.34-0.46 s.
         - `split_queries`: on a CPU with several devices (for example after
             `jax.config.update("jax_num_cpu_devices", os.cpu_count())`, set before
             JAX starts), split every batch of at least 256 queries per device over
