@@ -2,11 +2,13 @@
 
     python benchmarks/knn_k.py [--n 1e5] [--queries 1e4] [--k 8 32 128 512]
         [--data uniform clustered clustered-inside surface line] [--cpu-devices 2]
+        [--peers pykdtree]
 
 For each k: kdeqx, scipy's cKDTree with workers=1 and workers=-1, and pykdtree (if
 installed, `pip install -e ".[bench]"`), on the same data in one process, best of
 `--repeats`, first with every core and then with the whole process pinned to core 0
-(as `taskset -c 0`). Ratios are to the best native tree in the same setting.
+(as `taskset -c 0`). Ratios are to the best native tree in the same setting;
+`--peers` names the ones to time (scipy `workers=-1` checks the answers either way).
 Data: uniform; 64 tight blobs with queries uniform in the cube (mostly between the
 blobs) or drawn from the blobs; a curved sheet and a thin curve, queries uniform in
 the cube (far from most points: the walk's worst case). `--cpu-devices N` gives JAX
