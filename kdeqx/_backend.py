@@ -475,7 +475,7 @@ def complex_product_reference(lhs: Array, rhs: Array, dimension_numbers) -> Arra
 # and the run 0.030 s against 0.028 s; at n = 256, K = 40 the run took 0.88 s
 # against 0.85 s (interleaved, best of 12), a cost worth paying only where compiling
 # dominates.
-_QUICK_START_OPTIONS = {
+QUICK_START_OPTIONS = {
     "xla_cpu_use_fusion_emitters": False,
     "xla_backend_optimization_level": 1,
 }
@@ -489,7 +489,7 @@ def quick_start_options() -> dict[str, object]:
     if jax.default_backend() != "cpu":
         return {}
     known = {}
-    for name, value in _QUICK_START_OPTIONS.items():
+    for name, value in QUICK_START_OPTIONS.items():
         trivial = jax.jit(lambda x: x + 1, compiler_options={name: value})
         try:
             trivial.lower(jnp.zeros((), jnp.float32)).compile()

@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 
 import equinox as eqx
 import jax
@@ -6,7 +8,35 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
+from kdeqx._backend import QUICK_START_OPTIONS
+
 from .helpers import x64
+
+
+# Compiling is most of the suite's time. Unless `XLA_FLAGS` is already set, the tests
+# compile with the options that `kdeqx` itself uses for small first calls (LLVM at -O1,
+# XLA:CPU's older loop emitters): the same programs, about 25% less time to compile
+# them. The examples (`test_examples.py`) run with XLA's defaults, as users run them.
+QUICK_COMPILE_FLAGS = " ".join(
+    f"--{name}={str(value).lower()}" for name, value in QUICK_START_OPTIONS.items()
+)
+
+
+def _jaxlib_accepts(flags: str) -> bool:
+    """Whether XLA starts with `flags` (it aborts on a flag it does not know)."""
+    probe = "import jax, jax.numpy as jnp; jax.jit(lambda x: x + 1)(jnp.ones(2))"
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True)
+    return result.returncode == 0
+
+
+def pytest_configure(config):
+    # Before any backend starts here, and before xdist starts its workers, which
+    # inherit this environment.
+    if "XLA_FLAGS" in os.environ or "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    if _jaxlib_accepts(QUICK_COMPILE_FLAGS):
+        os.environ["XLA_FLAGS"] = QUICK_COMPILE_FLAGS
 
 
 # The suite runs as users do by default, with x64 off. A test that needs float64 (one

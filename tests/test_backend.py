@@ -272,7 +272,7 @@ def test_sort_edges_packs_three_keys_as_the_reference_sorts():
 
 def test_quick_start_options_keep_only_the_options_this_jaxlib_knows(monkeypatch):
     options = {"xla_no_such_option": 1, "xla_backend_optimization_level": 1}
-    monkeypatch.setattr(_backend, "_QUICK_START_OPTIONS", options)
+    monkeypatch.setattr(_backend, "QUICK_START_OPTIONS", options)
     _backend.quick_start_options.cache_clear()
     try:
         known = _backend.quick_start_options()

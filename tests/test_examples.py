@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from .conftest import QUICK_COMPILE_FLAGS
+
 
 EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py"))
 
@@ -14,6 +16,8 @@ EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(script, tmp_path):
     env = {**os.environ, "MPLBACKEND": "Agg", "KDEQX_FULL": ""}
+    if env.get("XLA_FLAGS") == QUICK_COMPILE_FLAGS:  # as users run them: XLA's defaults
+        del env["XLA_FLAGS"]
     result = subprocess.run(
         [sys.executable, str(script)],
         cwd=tmp_path,

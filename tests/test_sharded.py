@@ -27,20 +27,9 @@ _COLLECTIVE = re.compile(
 )
 
 
-def _quick_compile_flags() -> str:
-    """`kdeqx`'s quick-start compiler options as XLA flags: the checks compare programs
-    compiled alike, and compile for most of their time (53 s -> 42 s alone)."""
-    from kdeqx._backend import quick_start_options
-
-    return " ".join(
-        f"--{name}={str(value).lower()}"
-        for name, value in quick_start_options().items()
-    )
-
-
 def run_checks(*names: str, **env: str) -> subprocess.CompletedProcess:
     """Runs `check_<name>` for each name in a fresh process with 4 CPU devices."""
-    flags = os.environ.get("XLA_FLAGS", "") or _quick_compile_flags()
+    flags = os.environ.get("XLA_FLAGS", "")  # the suite's (`conftest.py`)
     env = {
         **os.environ,
         "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={NUM_DEVICES}",
