@@ -8,19 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
-from kdeqx._backend import QUICK_START_OPTIONS
-
-from .helpers import x64
-
-
-# Compiling is most of the suite's time. Unless `XLA_FLAGS` is already set, the tests
-# compile with the options that `kdeqx` itself uses for small first calls (LLVM at -O1,
-# XLA:CPU's older loop emitters): the same programs, compiled in 15-37% less time on
-# the files measured (README). The examples (`test_examples.py`) run with XLA's
-# defaults, as users run them.
-QUICK_COMPILE_FLAGS = " ".join(
-    f"--{name}={str(value).lower()}" for name, value in QUICK_START_OPTIONS.items()
-)
+from .helpers import QUICK_COMPILE_FLAGS, x64
 
 
 def _jaxlib_accepts(flags: str) -> bool:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from .conftest import QUICK_COMPILE_FLAGS
+from .helpers import QUICK_COMPILE_FLAGS
 
 
 EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py"))
