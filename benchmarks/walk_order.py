@@ -1,0 +1,282 @@
+"""Why a kNN walk between clustered points costs more: the walk's order, measured.
+
+    python benchmarks/walk_order.py [--n 1e6] [--queries 300] [--k 8]
+        [--data uniform clustered surface] [--timing]
+
+For a sample of queries on kdeqx's own tree (the same leaf boxes the query walks),
+in NumPy, per query: how many leaves any exact walk must visit (those whose box lies
+nearer than the final k-th distance), how many the engine's near-child-first walk
+visits and how many outer iterations it takes (one leaf visit, then up to
+`MAX_STEPS` moves), and the same for a best-first order (a priority queue of
+subtrees on box distance: the minimum of leaves) and for the engine's walk given the
+exact k-th distance in advance. `--timing` then times, on 1,024 lanes, `MAX_STEPS`
+moves of the engine against one leaf visit (the k-best merge included) and against
+`MAX_STEPS` steps that also keep a priority queue of `S` entries per lane (push the
+far child, pop the nearest entry), the extra work a best-first walk needs.
+"""
+
+import argparse
+import heapq
+import time
+
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import numpy as np
+from knn_k import points_and_queries
+
+import kdeqx
+from kdeqx._backend import gather_clamped, lexicographic_less, MAX_STEPS
+from kdeqx._knn import _KNearest
+from kdeqx._metric import EUCLIDEAN
+from kdeqx._traverse import _Steps
+
+
+class Boxes:
+    """The tree's leaf slots and node boxes as NumPy, in its search coordinates."""
+
+    def __init__(self, tree):
+        self.lo = np.asarray(tree.node_lo, np.float64)
+        self.hi = np.asarray(tree.node_hi, np.float64)
+        self.points = np.asarray(tree.leaf_points, np.float64)
+        self.indices = np.asarray(tree.leaf_indices)
+        self.first_leaf = tree.num_leaves - 1
+        self.leaf_size, self.n = tree.leaf_size, tree.n
+
+    def box_d2(self, q, node):
+        gap = np.maximum(self.lo[node] - q, 0) + np.maximum(q - self.hi[node], 0)
+        return float(gap @ gap)
+
+    def leaf_d2(self, q, node):
+        start = (node - self.first_leaf) * self.leaf_size
+        rows = slice(start, start + self.leaf_size)
+        d2 = np.sum((self.points[rows] - q) ** 2, axis=1)
+        return np.where(self.indices[rows] < self.n, d2, np.inf)
+
+    def children(self, q, node):
+        """`(near, far, near_d2, far_d2)`, the left child near on a tie."""
+        left, right = 2 * node + 1, 2 * node + 2
+        d2_left, d2_right = self.box_d2(q, left), self.box_d2(q, right)
+        if d2_left <= d2_right:
+            return left, right, d2_left, d2_right
+        return right, left, d2_right, d2_left
+
+    def nearest_leaf(self, q):
+        node = 0
+        while node < self.first_leaf:
+            node = self.children(q, node)[0]
+        return node
+
+
+def engine_walk(boxes, q, k, bound=np.inf):
+    """The engine's stackless near-child-first walk from the nearest leaf: `(outer
+    iterations, leaves visited, k-th squared distance)`."""
+    best = np.full(k, bound)
+    node, previous = boxes.nearest_leaf(q), None
+    iterations = leaves = 0
+    while node >= 0:
+        iterations += 1
+        if node >= boxes.first_leaf:
+            best = np.sort(np.concatenate([best, boxes.leaf_d2(q, node)]))[:k]
+            leaves += 1
+            previous, node = node, (node - 1) >> 1
+        for _ in range(MAX_STEPS):
+            if node < 0 or node >= boxes.first_leaf:
+                break
+            parent = (node - 1) >> 1
+            near, far, near_d2, far_d2 = boxes.children(q, node)
+            visit_near, visit_far = near_d2 < best[-1], far_d2 < best[-1]
+            if previous == parent:
+                following = near if visit_near else far if visit_far else parent
+            elif previous == near:
+                following = far if visit_far else parent
+            else:
+                following = parent
+            previous, node = node, following
+    return iterations, leaves, best[-1]
+
+
+def best_first_walk(boxes, q, k):
+    """Descend to near children, queue the far ones, then pop the nearest queued
+    subtree: `(outer iterations, leaves visited)` with the engine's step cap."""
+    best = np.full(k, np.inf)
+    # As the engine, it starts at the nearest leaf (found for all queries at once),
+    # with the far children on the way there queued.
+    queue, node = [], 0
+    while node < boxes.first_leaf:
+        near, far, _, far_d2 = boxes.children(q, node)
+        heapq.heappush(queue, (far_d2, far))
+        node = near
+    iterations = leaves = 0
+    while True:
+        iterations += 1
+        if node is not None and node >= boxes.first_leaf:
+            best = np.sort(np.concatenate([best, boxes.leaf_d2(q, node)]))[:k]
+            leaves += 1
+            node = None
+        for _ in range(MAX_STEPS):
+            if node is None:
+                while queue and queue[0][0] >= best[-1]:
+                    heapq.heappop(queue)
+                if not queue:
+                    return iterations, leaves
+                node = heapq.heappop(queue)[1]
+            if node >= boxes.first_leaf:
+                break
+            near, far, near_d2, far_d2 = boxes.children(q, node)
+            if far_d2 < best[-1]:
+                heapq.heappush(queue, (far_d2, far))
+            node = near if near_d2 < best[-1] else None
+
+
+def leaves_needed(boxes, q, kth_d2):
+    leaves = np.arange(boxes.first_leaf, 2 * boxes.first_leaf + 1)
+    gap = np.maximum(boxes.lo[leaves] - q, 0) + np.maximum(q - boxes.hi[leaves], 0)
+    return int(np.sum(np.sum(gap**2, axis=1) < kth_d2))
+
+
+def count(data, n, queries, k):
+    points, x = points_and_queries(data, n, queries, 3)
+    tree = kdeqx.KDTree(points.astype(np.float32))
+    boxes = Boxes(tree)
+    rows = []
+    for q in x.astype(np.float32).astype(np.float64) * float(tree.scale):
+        iterations, leaves, kth_d2 = engine_walk(boxes, q, k)
+        given, given_leaves, _ = engine_walk(boxes, q, k, bound=kth_d2 * (1 + 1e-12))
+        rows.append(
+            (
+                leaves_needed(boxes, q, kth_d2),
+                leaves,
+                iterations,
+                *best_first_walk(boxes, q, k)[::-1],
+                given_leaves,
+                given,
+            )
+        )
+    rows = np.array(rows, float)
+    mean, p90 = rows.mean(axis=0), np.percentile(rows, 90, axis=0)
+    cells = " ".join(f"{m:>6.2f} ({p:>3.0f})" for m, p in zip(mean, p90))
+    print(f"{data:>10} {cells}")
+
+
+def timing(k, sizes, repeats=5, rounds=200):
+    points, x = points_and_queries("uniform", 1_000_000, 1024, 3)
+    tree = kdeqx.KDTree(points.astype(np.float32))
+    steps = _Steps(tree, EUCLIDEAN)
+    x = jax.vmap(steps.search_point)(jnp.asarray(x, jnp.float32))
+    index_dtype = tree.leaf_indices.dtype
+    visitor = _KNearest(k, jnp.float32(jnp.inf), index_dtype)
+    # A k-th distance that prunes like a real walk's (about a leaf's spacing).
+    state = (
+        jnp.full((1024, k), 1e-3, jnp.float32),
+        jnp.full((1024, k), 5, index_dtype),
+    )
+    rng = np.random.default_rng(1)
+    internal = jnp.asarray(rng.integers(0, steps.first_leaf, 1024), index_dtype)
+    leaves = internal + steps.first_leaf
+    move = jax.vmap(steps.move, in_axes=(0, None, 0, 0, 0))
+    visit = jax.vmap(steps.visit, in_axes=(0, None, 0, 0))
+    children = jax.vmap(steps.children)
+
+    @jax.jit
+    def moves(x, state, start):
+        def body(_, carry):
+            node, previous = move(x, visitor, state, *carry)
+            return jnp.where(node < 0, start, node), previous
+
+        return lax.fori_loop(0, rounds * MAX_STEPS, body, (start, (start - 1) >> 1))
+
+    @jax.jit
+    def visits(x, state, leaf):
+        return lax.fori_loop(
+            0, rounds, lambda _, s: visit(x, visitor, s, leaf)[0], state
+        )
+
+    def queue_steps(size):
+        keys = steps.node_keys
+
+        def one_step(x, state, node, queue):
+            """Descend to the near child and queue the far one; lanes at a leaf or
+            with a pruned near child pop the nearest queued subtree."""
+            d2, key, queued = queue
+            kth_d2, kth_index = state[0][:, -1:], state[1][:, -1:]
+            near, far, near_d2, far_d2 = children(x, node)
+            visit_near = lexicographic_less(
+                near_d2, gather_clamped(keys, near), kth_d2[:, 0], kth_index[:, 0]
+            )
+            visit_far = lexicographic_less(
+                far_d2, gather_clamped(keys, far), kth_d2[:, 0], kth_index[:, 0]
+            )
+            free = d2 == jnp.inf
+            slot = jnp.arange(size) == jnp.argmax(free, axis=1)[:, None]
+            slot &= (visit_far & jnp.any(free, axis=1))[:, None]
+            d2 = jnp.where(slot, far_d2[:, None], d2)
+            key = jnp.where(slot, gather_clamped(keys, far)[:, None], key)
+            queued = jnp.where(slot, far[:, None], queued)
+            d2 = jnp.where(lexicographic_less(d2, key, kth_d2, kth_index), d2, jnp.inf)
+            pick = jnp.arange(size) == jnp.argmin(d2, axis=1)[:, None]
+            popped = jnp.sum(jnp.where(pick, queued, 0), axis=1)
+            pop = ~visit_near | (node >= steps.first_leaf)
+            d2 = jnp.where(pick & pop[:, None], jnp.inf, d2)
+            return jnp.where(pop, popped, near), (d2, key, queued)
+
+        @jax.jit
+        def run(x, state, start):
+            queue = (
+                jnp.where(jnp.arange(size) < size // 2, 1e-6, jnp.inf)
+                * jnp.ones((1024, 1), jnp.float32),
+                jnp.zeros((1024, size), index_dtype),
+                jnp.broadcast_to(start[:, None], (1024, size)),
+            )
+
+            def body(_, carry):
+                node, queue = one_step(x, state, *carry)
+                return jnp.where(node >= steps.first_leaf, start, node), queue
+
+            return lax.fori_loop(0, rounds * MAX_STEPS, body, (start, queue))
+
+        return run
+
+    def best_ms(fn, start):
+        jax.block_until_ready(fn(x, state, start))
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(x, state, start))
+            times.append(time.perf_counter() - t)
+        return min(times) / rounds * 1e3
+
+    print(f"\nPer outer iteration of 1,024 lanes (k = {k}), best of {repeats}:")
+    print(f"  {MAX_STEPS} engine moves: {best_ms(moves, internal):.3f} ms")
+    print(f"  one leaf visit (k-best merge): {best_ms(visits, leaves):.3f} ms")
+    for size in sizes:
+        ms = best_ms(queue_steps(size), internal)
+        print(f"  {MAX_STEPS} steps with a queue of {size}: {ms:.3f} ms")
+    print(f"  {MAX_STEPS} engine moves, again: {best_ms(moves, internal):.3f} ms")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=float, default=1e6)
+    parser.add_argument("--queries", type=int, default=300)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument(
+        "--data", nargs="+", default=["uniform", "clustered", "surface"]
+    )
+    parser.add_argument("--timing", action="store_true")
+    parser.add_argument("--queue-sizes", type=int, nargs="+", default=[8, 24])
+    args = parser.parse_args()
+    print(
+        f"n = {args.n:.0e}, {args.queries} uniform queries per data set, k = {args.k}, "
+        f"leaves of 32; mean (p90) per query.\n"
+        f"{'data':>10} {'needed':>12} {'engine lv':>12} {'engine it':>12} "
+        f"{'b-first lv':>12} {'b-first it':>12} {'given lv':>12} {'given it':>12}"
+    )
+    for data in args.data:
+        count(data, int(args.n), args.queries, args.k)
+    if args.timing:
+        timing(args.k, args.queue_sizes)
+
+
+if __name__ == "__main__":
+    main()
