@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
-from .helpers import QUICK_COMPILE_FLAGS, x64
+from .helpers import SUITE_XLA_FLAGS, x64
 
 
 def _jaxlib_accepts(flags: str) -> bool:
@@ -24,8 +24,8 @@ def pytest_configure(config):
     # inherit this environment.
     if "XLA_FLAGS" in os.environ or "PYTEST_XDIST_WORKER" in os.environ:
         return
-    if _jaxlib_accepts(QUICK_COMPILE_FLAGS):
-        os.environ["XLA_FLAGS"] = QUICK_COMPILE_FLAGS
+    if _jaxlib_accepts(SUITE_XLA_FLAGS):
+        os.environ["XLA_FLAGS"] = SUITE_XLA_FLAGS
 
 
 # The suite runs as users do by default, with x64 off. A test that needs float64 (one

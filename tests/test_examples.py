@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from .helpers import QUICK_COMPILE_FLAGS
+from .helpers import SUITE_XLA_FLAGS
 
 
 EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py"))
@@ -16,7 +16,7 @@ EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(script, tmp_path):
     env = {**os.environ, "MPLBACKEND": "Agg", "KDEQX_FULL": ""}
-    if env.get("XLA_FLAGS") == QUICK_COMPILE_FLAGS:  # as users run them: XLA's defaults
+    if env.get("XLA_FLAGS") == SUITE_XLA_FLAGS:  # as users run them: XLA's defaults
         del env["XLA_FLAGS"]
     result = subprocess.run(
         [sys.executable, str(script)],
