@@ -1,6 +1,7 @@
 """Data sets and independent references (numpy brute force, scipy) for the tests."""
 
 import importlib
+import os
 
 import equinox as eqx
 import jax
@@ -17,7 +18,8 @@ DTYPES = [np.float32, np.float64]
 # the same programs, compiled in less time and run more slowly, which suits a suite of
 # small problems (2 cores: the whole suite 527 s against 735 s at kdeqx's quick-start
 # -O1; test_graph + test_pairs in one process 117-128 s against 170-176 s). The
-# examples (`test_examples.py`) run with XLA's defaults, as users run them.
+# examples and the GPU script (`test_examples.py`, `test_benchmarks.py`) run with
+# XLA's defaults, as users run them.
 SUITE_XLA_FLAGS = " ".join(
     f"--{name}={str(value).lower()}"
     for name, value in {
@@ -25,6 +27,15 @@ SUITE_XLA_FLAGS = " ".join(
         "xla_backend_optimization_level": 0,
     }.items()
 )
+
+
+def environment_with_xla_defaults(**extra: str) -> dict[str, str]:
+    """This process's environment for a script run as users run it: without the
+    suite's `SUITE_XLA_FLAGS` (other `XLA_FLAGS` are kept), with `extra` added."""
+    env = {**os.environ, **extra}
+    if env.get("XLA_FLAGS") == SUITE_XLA_FLAGS:
+        del env["XLA_FLAGS"]
+    return env
 
 
 def uniform(rng, n, d):

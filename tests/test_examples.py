@@ -1,13 +1,12 @@
 """Every example runs, at its small default size, and exits cleanly."""
 
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from .helpers import SUITE_XLA_FLAGS
+from .helpers import environment_with_xla_defaults
 
 
 EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py"))
@@ -15,13 +14,10 @@ EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
 def test_example_runs(script, tmp_path):
-    env = {**os.environ, "MPLBACKEND": "Agg", "KDEQX_FULL": ""}
-    if env.get("XLA_FLAGS") == SUITE_XLA_FLAGS:  # as users run them: XLA's defaults
-        del env["XLA_FLAGS"]
     result = subprocess.run(
         [sys.executable, str(script)],
         cwd=tmp_path,
-        env=env,
+        env=environment_with_xla_defaults(MPLBACKEND="Agg", KDEQX_FULL=""),
         capture_output=True,
         text=True,
         timeout=600,

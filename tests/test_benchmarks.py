@@ -1,0 +1,35 @@
+"""The GPU script runs, and its checks pass, at a small size on the CPU.
+
+A device is lent for minutes at a time (`benchmarks/gpu.py` is prepared to run there
+once): a script that fails there wastes the loan, so it is run here first.
+"""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+from .helpers import environment_with_xla_defaults
+
+
+SCRIPT = pathlib.Path(__file__).parent.parent / "benchmarks" / "gpu.py"
+SMALL = ["--n", "2e4", "--queries", "2e3", "--brute-queries", "1000"]
+SMALL += ["--small-n", "1e4", "--series-n", "32", "--pairs-n", "1e4"]
+
+
+def test_gpu_script_runs_and_its_answers_agree():
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), *SMALL],
+        env=environment_with_xla_defaults(),  # as on the device
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    # Every comparison the script makes: against brute force (three), and the pair
+    # count against `count_neighbors`.
+    verdicts = re.findall(r"(?:agree|agrees)(?: with brute force)?: (\w+)", output)
+    assert verdicts == ["True"] * 4, output
+    differences = re.findall(r"max rel diff ([0-9.e+-]+)", output)
+    assert len(differences) == 1 and float(differences[0]) < 1e-10, output
