@@ -5,7 +5,9 @@
 
 Builds a tree over n uniform 3-D float32 points, answers Q queries, and times both
 beside a chunked brute-force kNN (distance matrix + `lax.top_k`) on the same device,
-checking that both agree. Then, at `--small-n` points and Q / 10 queries: kNN at d = 8
+checking that both agree; the same query with step caps of 8, 16 and 32 (the steps a
+lane moves between two leaf visits, chosen per backend, so far measured on the CPU
+only). Then, at `--small-n` points and Q / 10 queries: kNN at d = 8
 and kNN with k = 128, each against brute force on a subset. Prints the lane count the
 backend chose. Last, `kdeqx.OperatorSeries` in float64 with a driven Hamiltonian
 H0 + cos(t) H1: the factored path against the general one at n = 64, K = 20, then
@@ -90,6 +92,7 @@ def main():
         np.asarray(distances[:qb]), np.asarray(bd), rtol=1e-3, atol=1e-4
     )
     print(f"distances agree with brute force: {agree}")
+    step_caps(tree, x, k, indices)
 
     small_n, small_q = int(args.small_n), max(1000, q // 10)
     for d, kk in ((8, k), (3, 128)):
@@ -123,6 +126,28 @@ def pairs_on_device(n):
         f"{steady:.4f} s, {int(count):,} pairs; count_neighbors agrees: "
         f"{2 * int(count) + n == int(ordered)}"
     )
+
+
+def step_caps(tree, x, k, expected, caps=(8, 16, 32)):
+    """The same query with other step caps (steps between two leaf visits, chosen
+    per backend: `kdeqx._backend.step_cap`): steady times, and the same answers."""
+    from kdeqx import _backend
+
+    name = "CPU_STEPS" if jax.default_backend() == "cpu" else "ACCELERATOR_STEPS"
+    chosen = getattr(_backend, name)
+    times, same = [], True
+    for cap in caps:
+        setattr(_backend, name, cap)  # read when the walk is traced: trace afresh
+        eqx.clear_caches()
+        jax.clear_caches()
+        query = eqx.filter_jit(lambda tree, x: tree.query(x, k))
+        (_, indices), seconds = timed(lambda: query(tree, x))
+        times.append(f"{cap}: {seconds:.4f} s")
+        same &= bool(np.array_equal(np.asarray(indices), np.asarray(expected)))
+    setattr(_backend, name, chosen)
+    eqx.clear_caches()
+    jax.clear_caches()
+    print(f"step caps (chosen: {chosen}): {', '.join(times)}; answers agree: {same}")
 
 
 def against_brute_force(n, q, d, k, brute_queries):

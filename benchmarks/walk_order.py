@@ -7,11 +7,11 @@ For a sample of queries on kdeqx's own tree (the same leaf boxes the query walks
 in NumPy, per query: how many leaves any exact walk must visit (those whose box lies
 nearer than the final k-th distance), how many the engine's near-child-first walk
 visits and how many outer iterations it takes (one leaf visit, then up to
-`MAX_STEPS` moves), and the same for a best-first order (a priority queue of
+`CPU_STEPS` moves), and the same for a best-first order (a priority queue of
 subtrees on box distance: the minimum of leaves) and for the engine's walk given the
-exact k-th distance in advance. `--timing` then times, on 1,024 lanes, `MAX_STEPS`
+exact k-th distance in advance. `--timing` then times, on 1,024 lanes, `CPU_STEPS`
 moves of the engine against one leaf visit (the k-best merge included) and against
-`MAX_STEPS` steps that also keep a priority queue of `S` entries per lane (push the
+`CPU_STEPS` steps that also keep a priority queue of `S` entries per lane (push the
 far child, pop the nearest entry), the extra work a best-first walk needs.
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 from knn_k import points_and_queries
 
 import kdeqx
-from kdeqx._backend import gather_clamped, lexicographic_less, MAX_STEPS
+from kdeqx._backend import CPU_STEPS, gather_clamped, lexicographic_less
 from kdeqx._knn import _KNearest
 from kdeqx._metric import EUCLIDEAN
 from kdeqx._traverse import _Steps
@@ -80,7 +80,7 @@ def engine_walk(boxes, q, k, bound=np.inf):
             best = np.sort(np.concatenate([best, boxes.leaf_d2(q, node)]))[:k]
             leaves += 1
             previous, node = node, (node - 1) >> 1
-        for _ in range(MAX_STEPS):
+        for _ in range(CPU_STEPS):
             if node < 0 or node >= boxes.first_leaf:
                 break
             parent = (node - 1) >> 1
@@ -114,7 +114,7 @@ def best_first_walk(boxes, q, k):
             best = np.sort(np.concatenate([best, boxes.leaf_d2(q, node)]))[:k]
             leaves += 1
             node = None
-        for _ in range(MAX_STEPS):
+        for _ in range(CPU_STEPS):
             if node is None:
                 while queue and queue[0][0] >= best[-1]:
                     heapq.heappop(queue)
@@ -184,7 +184,7 @@ def timing(k, sizes, repeats=5, rounds=200):
             node, previous = move(x, visitor, state, *carry)
             return jnp.where(node < 0, start, node), previous
 
-        return lax.fori_loop(0, rounds * MAX_STEPS, body, (start, (start - 1) >> 1))
+        return lax.fori_loop(0, rounds * CPU_STEPS, body, (start, (start - 1) >> 1))
 
     @jax.jit
     def visits(x, state, leaf):
@@ -233,7 +233,7 @@ def timing(k, sizes, repeats=5, rounds=200):
                 node, queue = one_step(x, state, *carry)
                 return jnp.where(node >= steps.first_leaf, start, node), queue
 
-            return lax.fori_loop(0, rounds * MAX_STEPS, body, (start, queue))
+            return lax.fori_loop(0, rounds * CPU_STEPS, body, (start, queue))
 
         return run
 
@@ -247,12 +247,12 @@ def timing(k, sizes, repeats=5, rounds=200):
         return min(times) / rounds * 1e3
 
     print(f"\nPer outer iteration of 1,024 lanes (k = {k}), best of {repeats}:")
-    print(f"  {MAX_STEPS} engine moves: {best_ms(moves, internal):.3f} ms")
+    print(f"  {CPU_STEPS} engine moves: {best_ms(moves, internal):.3f} ms")
     print(f"  one leaf visit (k-best merge): {best_ms(visits, leaves):.3f} ms")
     for size in sizes:
         ms = best_ms(queue_steps(size), internal)
-        print(f"  {MAX_STEPS} steps with a queue of {size}: {ms:.3f} ms")
-    print(f"  {MAX_STEPS} engine moves, again: {best_ms(moves, internal):.3f} ms")
+        print(f"  {CPU_STEPS} steps with a queue of {size}: {ms:.3f} ms")
+    print(f"  {CPU_STEPS} engine moves, again: {best_ms(moves, internal):.3f} ms")
 
 
 def main():

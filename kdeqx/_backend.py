@@ -31,7 +31,7 @@ from ._custom_types import Array, Bool, Float, Int, UInt
 # 8, 12, 16, 24 took 0.270, 0.249, 0.222, 0.240 s uniform, 1.25, 0.96, 0.86, 0.99 s
 # on clustered data.
 CPU_LANES = 1024
-MAX_STEPS = 16
+CPU_STEPS = 16
 # Fewer lanes for larger states, so that the lanes' states stay in cache: at n = 1e5,
 # Q = 1e4 on 2 cores, k = 128 took 0.11 s with 128 lanes against 0.18 s with 1024, and
 # k = 512 0.77 s with 64 lanes against 2.65 s (budgets of 64 KiB to 1 MiB and floors of
@@ -40,9 +40,11 @@ _CPU_STATE_BYTES = 2**17
 _CPU_MIN_LANES = 64
 
 # GPUs and TPUs: enough lanes to fill the device (an H200 keeps ~270k threads in
-# flight), as long as the lanes' states fit in this much memory. Not yet measured.
+# flight), as long as the lanes' states fit in this much memory, and the CPU's step
+# cap. Not yet measured: `benchmarks/gpu.py` times caps of 8, 16 and 32 there.
 _ACCELERATOR_MAX_LANES = 2**20
 _ACCELERATOR_STATE_BYTES = 2**30
+ACCELERATOR_STEPS = 16
 
 
 def lane_count(state_bytes: int, backend: str | None = None) -> int:
@@ -59,6 +61,13 @@ def lane_count(state_bytes: int, backend: str | None = None) -> int:
         return min(CPU_LANES, 1 << (fit.bit_length() - 1))
     fit = min(_ACCELERATOR_MAX_LANES, _ACCELERATOR_STATE_BYTES // max(1, state_bytes))
     return max(CPU_LANES, 1 << (fit.bit_length() - 1) if fit > 0 else 0)
+
+
+def step_cap(backend: str | None = None) -> int:
+    """How many steps every lane of a walk moves between two leaf visits (lanes that
+    reach their next leaf sooner wait there). `backend` as in `lane_count`."""
+    backend = jax.default_backend() if backend is None else backend
+    return CPU_STEPS if backend == "cpu" else ACCELERATOR_STEPS
 
 
 # ---------------------------------------------------------------------------------

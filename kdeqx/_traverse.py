@@ -11,7 +11,7 @@ idling until the whole batch is done. Queries are sorted along a Morton curve an
 out in turn (lane `l` walks queries `l`, `l + lanes`, ...), so the lanes at work at any
 time walk nearby parts of the tree, and each lane's share averages over the curve.
 How many lanes, and how many steps a lane may take between two leaf visits, is backend
-tuning (`kdeqx._backend.lane_count`).
+tuning (`kdeqx._backend.lane_count` and `step_cap`).
 """
 
 import abc
@@ -23,7 +23,7 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 
-from ._backend import argsort_keys, gather_clamped, lane_count, MAX_STEPS
+from ._backend import argsort_keys, gather_clamped, lane_count, step_cap
 from ._bits import bitmasks, set_bit_count, WORD
 from ._custom_types import Array, Bool, Float, Int, PyTree, UInt
 from ._metric import Block, Minkowski, Query, wrap_into_box
@@ -431,19 +431,20 @@ def walk_many(
             return states, None
         return _sum_over_queries(_weighted(states, query_weights)), None
     lanes = min(lanes, q)
+    steps_per_visit = step_cap()
     steps = _Steps(tree, metric, node_keys)
     move = jax.vmap(steps.move, in_axes=(0, visitor_axis, 0, 0, 0))
     visit = jax.vmap(steps.visit, in_axes=(0, visitor_axis, 0, 0))
 
     def advance(x, visitor, state, node, previous):
-        """Moves every lane `MAX_STEPS` steps towards its next leaf (lanes that reach
-        it wait there). Nearly always some lane needs them all, so the loop does not
-        test for an early end."""
+        """Moves every lane `steps_per_visit` steps towards its next leaf (lanes that
+        reach it wait there). Nearly always some lane needs them all, so the loop does
+        not test for an early end."""
 
         def one_step(_, c):
             return move(x, visitor, state, *c)
 
-        return lax.fori_loop(0, MAX_STEPS, one_step, (node, previous))
+        return lax.fori_loop(0, steps_per_visit, one_step, (node, previous))
 
     points = jax.vmap(steps.search_point)(x)
     # Position `i` along the curve is row `order[i]` of the input.

@@ -188,6 +188,12 @@ def test_lane_count_per_backend():
     assert _backend.lane_count(64, "gpu") == 2**20
 
 
+def test_step_cap_per_backend(monkeypatch):
+    monkeypatch.setattr(_backend, "ACCELERATOR_STEPS", 7)
+    assert _backend.step_cap("cpu") == _backend.CPU_STEPS == 16
+    assert _backend.step_cap("gpu") == _backend.step_cap("tpu") == 7
+
+
 @pytest.mark.parametrize("merge", [merge_k_best, merge_by_ranks, merge_by_networks])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [1, 4, 9, 33, 100])

@@ -27,9 +27,9 @@ def test_gpu_script_runs_and_its_answers_agree():
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
-    # Every comparison the script makes: against brute force (three), and the pair
-    # count against `count_neighbors`.
+    # Every comparison the script makes: against brute force (three), the step caps'
+    # answers against the chosen one's, and the pair count against `count_neighbors`.
     verdicts = re.findall(r"(?:agree|agrees)(?: with brute force)?: (\w+)", output)
-    assert verdicts == ["True"] * 4, output
+    assert verdicts == ["True"] * 5, output
     differences = re.findall(r"max rel diff ([0-9.e+-]+)", output)
     assert len(differences) == 1 and float(differences[0]) < 1e-10, output

@@ -14,6 +14,7 @@ import pytest
 from scipy.spatial import cKDTree
 
 import kdeqx
+from kdeqx import _backend
 from kdeqx._backend import CPU_LANES as LANES
 
 from .helpers import assert_knn_correct, clustered, DTYPES, lattice, lattice_queries
@@ -120,3 +121,25 @@ def test_many_queries_with_gradients():
     diff = x[:, None, :] - points[indices]
     expected = jnp.sum(diff / jnp.linalg.norm(diff, axis=-1, keepdims=True), axis=1)
     np.testing.assert_allclose(grad, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("cap", [1, 3])
+def test_answers_do_not_depend_on_the_step_cap(monkeypatch, cap):
+    """A cap of one or a few steps between leaf visits leaves lanes short of their next
+    leaf at most visits, which they then skip: the same answers, reached later."""
+    rng = np.random.default_rng(5)
+    points = clustered(rng, 2000, 3).astype(np.float32)
+    x = rng.uniform(-0.5, 1.5, (Q, 3)).astype(np.float32)
+    bound = rng.choice([np.inf, 0.05], Q).astype(np.float32)
+    r = rng.uniform(0, 0.05, Q).astype(np.float32)
+    tree = kdeqx.KDTree(points)
+    expected = _all_kinds(tree, x, bound, r, 5)
+    assert _backend.step_cap() == _backend.CPU_STEPS  # the suite runs on the CPU
+    monkeypatch.setattr(_backend, "CPU_STEPS", cap)  # read when a walk is traced
+    eqx.clear_caches()
+    jax.clear_caches()
+    got = _all_kinds(tree, x, bound, r, 5)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(a, b)
+    eqx.clear_caches()  # the programs traced with the changed cap
+    jax.clear_caches()
