@@ -157,7 +157,8 @@ def _internal_boxes(lo, hi, min_index, depth):
 
 
 def _search_scale(points: Float[Array, "n d"]) -> Float[Array, ""]:
-    """A power of two that brings the largest coordinate into `[0.5, 1]`.
+    """A power of two that brings the largest coordinate into `[0.5, 1]` (`[0.5, 4)`
+    within a factor of 4 of the dtype's largest number).
 
     The search runs on scaled coordinates so that squared distances neither overflow
     (float32 coordinates beyond ~1e19) nor underflow (below ~1e-19); scaling by a power
@@ -165,6 +166,10 @@ def _search_scale(points: Float[Array, "n d"]) -> Float[Array, ""]:
     """
     largest = jnp.max(jnp.abs(points), initial=0)
     _, exponent = jnp.frexp(jnp.where(largest > 0, largest, 1))
+    # A normal number: XLA:CPU flushes subnormals to zero, and for data beyond
+    # 2**126 (float32) the exact scale would be one. Such data lands in [0.5, 4).
+    info = jnp.finfo(points.dtype)
+    exponent = jnp.clip(exponent, 1 - info.maxexp, -info.minexp)
     return jnp.ldexp(jnp.ones((), points.dtype), -exponent)
 
 

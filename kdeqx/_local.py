@@ -3,6 +3,7 @@ moving least squares), and what they share: the neighbourhood in coordinates rel
 to the query, polynomial terms, and evaluation in chunks of queries."""
 
 import abc
+import functools as ft
 import itertools
 import math
 from typing import TYPE_CHECKING
@@ -11,9 +12,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._custom_types import Array, Float
+from ._custom_types import Array, Float, Int
 from ._mesh import cpu_devices_for, split_rows_over
-from ._metric import EUCLIDEAN, minimum_image, Minkowski
+from ._metric import EUCLIDEAN, minimum_image, Minkowski, unit_exponent
 
 
 if TYPE_CHECKING:
@@ -37,10 +38,17 @@ class AbstractLocalFit(eqx.Module):
         offsets: Float[Array, "k d"],
         values: Float[Array, "k s"],
         columns: Float[Array, "k c"],
+        unit: Int[Array, ""],
     ) -> Float[Array, " s"]:
         """The interpolant at one query, from its neighbours' offsets (neighbour minus
-        query, minimum image in a periodic box), values and `point_columns`, nearest
-        first. Written for one query; queries are mapped over in chunks."""
+        query, minimum image in a periodic box) in units of `2**unit`, values and
+        `point_columns`, nearest first. Written for one query; queries are mapped
+        over in chunks.
+
+        The unit brings the largest offset near 1, so that squared distances
+        neither overflow nor underflow (float32 data beyond ~1e19 or below ~1e-19);
+        a fit whose parameters have a length (a shape parameter, smoothing of a
+        scale-invariant kernel) converts them with it."""
 
 
 def monomial_powers(d: int, degree: int) -> tuple[tuple[int, ...], ...]:
@@ -102,14 +110,24 @@ def interpolate_locally(
     value_rows, extra_rows = rows[..., d : d + s], rows[..., d + s :]
 
     arrays = (offsets, value_rows, extra_rows)
+    fit_in_unit = ft.partial(_fit_in_unit, fit)
     devices = cpu_devices_for(tree, x)
     if len(devices) < 2:
-        fitted = _map_in_chunks(fit.fit, arrays)
+        fitted = _map_in_chunks(fit_in_unit, arrays)
     else:
         # Each device fits its own queries: left to XLA, a sequential map over chunks
         # is not split, and every device fitted every query (rbf: 1.96 s, split 1.05 s).
-        fitted = split_rows_over(devices, lambda *a: _map_in_chunks(fit.fit, a), arrays)
+        fitted = split_rows_over(
+            devices, lambda *a: _map_in_chunks(fit_in_unit, a), arrays
+        )
     return fitted.reshape(*batch, *values.shape[1:])
+
+
+def _fit_in_unit(fit: AbstractLocalFit, offsets, values, columns):
+    """`fit.fit` with the offsets in a unit (a power of two) near the largest."""
+    unit = unit_exponent(jnp.max(jnp.abs(offsets)))
+    in_unit = offsets * jnp.ldexp(jnp.ones((), offsets.dtype), -unit)
+    return fit.fit(in_unit, values, columns, unit)
 
 
 def _map_in_chunks(fn, arrays):

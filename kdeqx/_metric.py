@@ -27,12 +27,23 @@ def _on_periodic_axes(transform, x: Float[Array, "... d"], period):
     return jnp.where(periodic, transform(x, jnp.where(periodic, period, 1)), x)
 
 
+def _in_lengths(x, length):
+    """`x / length`. XLA:CPU divides by multiplying by `1 / length`, which beyond
+    `2**126` in float32 is subnormal and flushed to zero: such lengths divide in
+    quarters, behind a barrier, since XLA would fold the quarters (and a length it
+    knows, of a tree closed over by a `jit`) back into that reciprocal."""
+    huge = length >= 2.0 ** -jnp.finfo(length.dtype).minexp
+    quarters = jnp.where(huge, 0.25, 1).astype(length.dtype)
+    x, length = lax.optimization_barrier((x * quarters, length * quarters))
+    return x / length
+
+
 def _nearest_image(diff, length):
-    return diff - length * jnp.round(diff / length)
+    return diff - length * jnp.round(_in_lengths(diff, length))
 
 
 def _into_box(x, length):
-    wrapped = x - length * jnp.floor(x / length)
+    wrapped = x - length * jnp.floor(_in_lengths(x, length))
     # x slightly below 0 can round to exactly L: that is the image 0.
     return jnp.where(wrapped >= length, wrapped - length, wrapped)
 
@@ -255,10 +266,19 @@ def norm_without_overflow(
     """
     if largest is None:
         largest = jnp.max(jnp.abs(diff), axis=-1, keepdims=True)
-    largest = lax.stop_gradient(largest)
-    info = jnp.finfo(diff.dtype)
-    _, exponent = jnp.frexp(jnp.where(jnp.isfinite(largest), largest, 1))
-    exponent = jnp.clip(exponent - 1, info.minexp + 1, info.maxexp - 2)
+    exponent = unit_exponent(largest)
     one = jnp.ones((), diff.dtype)
     scaled = diff * jnp.ldexp(one, -exponent)
     return metric.norm(scaled) * jnp.ldexp(one, exponent)[..., 0]
+
+
+def unit_exponent(largest: Float[Array, "*shape"]) -> Array:
+    """`e` such that `largest / 2**e` lies in `[1, 2)`, clipped so that `2**e` and
+    `2**-e` are normal numbers (held constant under differentiation): a unit in
+    which lengths up to `largest` can be squared without overflow or underflow.
+    Non-finite or zero `largest` gives `e = 0`."""
+    largest = lax.stop_gradient(largest)
+    info = jnp.finfo(largest.dtype)
+    usable = jnp.isfinite(largest) & (largest > 0)
+    _, exponent = jnp.frexp(jnp.where(usable, largest, 1))
+    return jnp.clip(exponent - 1, info.minexp + 1, info.maxexp - 2)

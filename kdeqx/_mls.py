@@ -117,8 +117,9 @@ class MovingLeastSquares(AbstractLocalFit):
     def point_columns(self, n, dtype):
         return jnp.zeros((n, 0), dtype)
 
-    def fit(self, offsets, values, columns):
-        del columns
+    def fit(self, offsets, values, columns, unit):
+        # The fit does not depend on the unit of length: its weights are ratios.
+        del columns, unit
         squared = squared_norms(offsets)
         radius2 = _support_radius_squared(squared, self.target)
         scaled = squared / radius2

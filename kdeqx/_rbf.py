@@ -1,6 +1,7 @@
 """Local radial basis function interpolation: scipy's `RBFInterpolator(neighbors=k)`,
 one small saddle-point system per query, solved in batches inside `jit`."""
 
+import math
 import warnings
 from typing import Literal
 
@@ -62,7 +63,11 @@ _MIN_DEGREE = {
     "cubic": 1,
     "quintic": 2,
 }
-_SCALE_INVARIANT = frozenset({"linear", "thin_plate_spline", "cubic", "quintic"})
+# The scale-invariant kernels, homogeneous of these degrees: `phi(c r) = c**m phi(r)`
+# (the thin-plate spline up to `c**2 log(c) r**2`, which a polynomial of degree >= 1
+# absorbs), so their shape parameter does not change the interpolant.
+_HOMOGENEITY = {"linear": 1, "thin_plate_spline": 2, "cubic": 3, "quintic": 5}
+_SCALE_INVARIANT = frozenset(_HOMOGENEITY)
 
 
 def check_rbf(rbf: str, degree: int | None, d: int, k: int) -> int:
@@ -133,9 +138,31 @@ class LocalRbf(AbstractLocalFit):
     def point_columns(self, n, dtype):
         return jnp.broadcast_to(jnp.asarray(self.smoothing, dtype), (n,))[:, None]
 
-    def fit(self, offsets, values, columns):
-        k, r = offsets.shape[0], len(self.powers)
+    def _radial(self, r2: Array, unit: Array) -> Array:
+        """The kernel at squared distances `r2` given in units of `2**unit`: scipy's
+        `phi(epsilon r)`, divided by `2**(m unit)` for a kernel homogeneous of degree
+        `m`, whose smoothing [`LocalRbf._smoothing`][] divides by the same (the
+        system and the interpolant are then scipy's, the coefficients scaled)."""
         radial = _RADIAL[self.rbf]
+        if self.rbf not in _HOMOGENEITY:
+            return radial(jnp.ldexp(self.epsilon, unit) ** 2 * r2)
+        scaled = self.epsilon**2 * r2
+        kernel = radial(scaled)
+        # (c rho)^2 log(c rho) = c^2 (rho^2 log(rho) + rho^2 log(c)), c = 2**unit; a
+        # polynomial of degree >= 1 (more than one term) absorbs the second part.
+        if self.rbf == "thin_plate_spline" and len(self.powers) <= 1:
+            kernel = kernel + scaled * (unit.astype(scaled.dtype) * math.log(2))
+        return kernel
+
+    def _smoothing(self, smoothing: Array, unit: Array) -> Array:
+        """The smoothing in the units of [`LocalRbf._radial`][]."""
+        if self.rbf not in _HOMOGENEITY:
+            return smoothing
+        scaled = jnp.ldexp(smoothing, -_HOMOGENEITY[self.rbf] * unit)
+        return jnp.minimum(scaled, jnp.finfo(scaled.dtype).max)
+
+    def fit(self, offsets, values, columns, unit):
+        k, r = offsets.shape[0], len(self.powers)
         # The interpolant does not depend on how the polynomial's domain is shifted
         # or scaled, so neither carries a gradient.
         lo, hi = jnp.min(offsets, axis=0), jnp.max(offsets, axis=0)
@@ -144,14 +171,14 @@ class LocalRbf(AbstractLocalFit):
         scale = jnp.where(half_width > 0, half_width, 1)
         poly = monomials((offsets - shift) / scale, self.powers)
         poly_at_query = monomials(-shift / scale, self.powers)
-        eps2 = self.epsilon**2
-        kernel = radial(eps2 * _pairwise_squared(offsets))
-        kernel = kernel + jnp.diag(columns[:, 0].astype(kernel.dtype))
+        kernel = self._radial(_pairwise_squared(offsets), unit)
+        smoothing = self._smoothing(columns[:, 0].astype(kernel.dtype), unit)
+        kernel = kernel + jnp.diag(smoothing)
         if r > 0:
             poly, poly_at_query = _balanced(kernel, poly, poly_at_query)
         lhs = jnp.block([[kernel, poly], [poly.T, jnp.zeros((r, r), kernel.dtype)]])
         rhs = jnp.concatenate([values, jnp.zeros((r, values.shape[1]), values.dtype)])
         signs = jnp.concatenate([jnp.ones(k), -jnp.ones(r)]).astype(lhs.dtype)
         coefficients = solve_symmetric(lhs, rhs, signs)
-        at_query = radial(eps2 * squared_norms(offsets))
+        at_query = self._radial(squared_norms(offsets), unit)
         return at_query @ coefficients[:k] + poly_at_query @ coefficients[k:]

@@ -71,7 +71,10 @@ def search_threshold(
     point's powered distance is finite (see `far_limit`), and leaf padding, at `inf`,
     must stay outside every ball.
     """
-    scaled = r * lax.stop_gradient(tree.scale)
+    # Behind a barrier: for an `r` it knows, XLA would square `r * scale` as
+    # `r**2 * scale**2`, which is `inf * 0` (NaN) once `r**2` overflows (float32
+    # radii beyond ~1e19 given as constants, say a literal in a jitted function).
+    scaled = lax.optimization_barrier(r * lax.stop_gradient(tree.scale))
     return jnp.minimum(metric.to_power(scaled), jnp.finfo(scaled.dtype).max)
 
 

@@ -178,8 +178,9 @@ def _ranks(emits: Bool[Array, "*groups size"]) -> Int[Array, "*groups size"]:
 def far_limit(dtype, d: int, metric: Minkowski) -> float:
     """The search clamps scaled query coordinates into `[-C, C]`, `C` a power of two.
 
-    The tree's scaled coordinates lie in `[-1, 1]`, so powered distances stay below
-    `d (C + 1)**p`, which is finite. A query beyond `C` (2**62 in float32, 3-D and
+    The tree's scaled coordinates lie in `[-1, 1]` (`[-4, 4]` for data within a
+    factor of 4 of the largest number), so powered distances stay below
+    `d (C + 4)**p`, which is finite. A query beyond `C` (2**62 in float32, 3-D and
     `p = 2`; 2**41 for `p = 3`) is
     so far that every point of the tree is at the same distance to float precision:
     the walk from the clamped query still ranks them all equal (by index), and the

@@ -108,3 +108,57 @@ def test_gradients_of_far_queries_are_unit_vectors(dtype):
         jnp.asarray(x[:2])
     )
     assert np.all(np.isfinite(field))
+
+
+def _near_the_largest_number(dtype, box=None):
+    """Points and queries up to half the dtype's largest number (beyond
+    `2**126` in float32, where the exact search scale would be subnormal)."""
+    rng = np.random.default_rng(1)
+    spread = np.finfo(dtype).max / 2
+    points = (rng.random((N, 3)) * spread).astype(dtype)
+    x = (rng.random((9, 3)) * spread).astype(dtype)
+    return points, x, spread
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_coordinates_near_the_largest_number(dtype):
+    points, x, spread = _near_the_largest_number(dtype)
+    tree = kdeqx.KDTree(points)
+    # scipy's squared float64 distances overflow here too: it searches the data
+    # scaled by an exact power of two.
+    unit = 2.0 ** np.frexp(spread)[1]
+    reference, xr = _reference(points / unit, x / unit)
+    distances, indices = tree.query(x, 4)
+    expected, expected_indices = reference.query(xr, 4)
+    np.testing.assert_array_equal(indices, expected_indices)
+    rtol = 4 * np.finfo(dtype).eps
+    np.testing.assert_allclose(distances, expected * unit, rtol=rtol)
+    r = dtype(0.3 * spread)
+    expected_counts = reference.query_ball_point(xr, r / unit, return_length=True)
+    np.testing.assert_array_equal(tree.count_ball_point(x, r), expected_counts)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_radii_the_compiler_knows(dtype):
+    # A radius given as a constant inside `jit`: XLA squared `r * scale` as
+    # `r**2 * scale**2`, `inf * 0` once `r**2` overflowed, and found nothing.
+    spread = 1e20 if dtype == np.float32 else 1e200
+    points, x = _problem(dtype, spread)
+    tree = kdeqx.KDTree(points)
+    r = 0.3 * spread
+
+    @jax.jit
+    def searches(tree, x):
+        counts = tree.count_ball_point(x, r)
+        _, bounded = tree.query(x, 3, distance_upper_bound=r)
+        return counts, bounded, tree.query_pairs(r, N * N)[2]
+
+    unit = 2.0 ** np.frexp(spread)[1]  # scipy's squares of 1e200 overflow
+    reference, xr = _reference(points / unit, x / unit)
+    expected = reference.query_ball_point(xr, r / unit, return_length=True)
+    counts, bounded, pairs = searches(tree, jnp.asarray(x))
+    np.testing.assert_array_equal(counts, expected)
+    np.testing.assert_array_equal(
+        np.sum(np.asarray(bounded) < N, axis=1), np.minimum(expected, 3)
+    )
+    assert int(pairs) == len(reference.query_pairs(r / unit))

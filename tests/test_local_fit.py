@@ -499,3 +499,66 @@ def test_bad_local_fit_arguments_raise():
         warnings.simplefilter("always")
         tree.interpolate(x, values, kernel="rbf", degree=0)
     assert any("should not be below 1" in str(w.message) for w in caught)
+
+
+# Homogeneous kernels with smoothing scaled as the kernel, so that the interpolant is
+# the same at every scale; a shape parameter scaled inversely; TPS of degree 0, whose
+# systems keep the `c**2 log(c) r**2` term of the scale.
+_SCALED_CASES = [
+    ("thin_plate_spline", None, None, 1e-3, 2),
+    ("thin_plate_spline", 0, None, 0.0, 2),
+    ("cubic", None, None, 1e-3, 3),
+    ("quintic", None, None, 1e-6, 5),
+    ("linear", None, None, 1e-2, 1),
+    ("gaussian", None, 5.0, 1e-3, 0),
+]
+
+
+@pytest.mark.x64
+@pytest.mark.parametrize("rbf, degree, epsilon, smoothing, power", _SCALED_CASES)
+def test_rbf_far_from_unit_coordinates_matches_scipy(
+    rbf, degree, epsilon, smoothing, power
+):
+    points, values, x = _data(3)
+    # Far below the unit: there the kernel's entries are tiny and the smoothing
+    # counts only if it is converted right.
+    c = 2.0**-200
+    options = dict(kernel=rbf, degree=degree, smoothing=smoothing * c**power)
+    if epsilon is not None:
+        options["epsilon"] = epsilon / c
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # degree 0 for TPS: as scipy, a warning
+        out = kdeqx.KDTree(points * c).interpolate(
+            x * c,
+            values,
+            k=12,
+            kernel="rbf",
+            rbf=rbf,
+            **{key: value for key, value in options.items() if key != "kernel"},
+        )
+        expected = RBFInterpolator(points * c, values, neighbors=12, **options)(x * c)
+        unscaled = RBFInterpolator(
+            points,
+            values,
+            neighbors=12,
+            **{
+                **options,
+                "smoothing": smoothing,
+                **({"epsilon": epsilon} if epsilon is not None else {}),
+            },
+        )(x)
+    np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+    if degree != 0:  # TPS of degree 0 is not scale invariant, in scipy either
+        np.testing.assert_allclose(out, unscaled, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["rbf", "mls"])
+def test_float32_local_fits_far_from_unit_coordinates(kernel):
+    # Squared float32 distances overflow beyond ~1e19 and underflow below ~1e-19:
+    # the fits run in a unit near their neighbourhood's size.
+    points, values, x = (a.astype(np.float32) for a in _data(4))
+    expected = kdeqx.KDTree(points).interpolate(x, values, k=12, kernel=kernel)
+    for shift in (-100, 100):
+        c = np.float32(2.0**shift)
+        out = kdeqx.KDTree(points * c).interpolate(x * c, values, k=12, kernel=kernel)
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)

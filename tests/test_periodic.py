@@ -81,3 +81,38 @@ def test_periodic_gradients_are_finite_and_match_finite_differences():
 def test_bad_box_shape():
     with pytest.raises(ValueError, match="`box` must be a scalar or have shape"):
         kdeqx.KDTree(np.zeros((4, 3)), box=np.ones(2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_boxes_near_the_largest_number(dtype):
+    # A box longer than `2**126` (float32): XLA divides by it through its reciprocal,
+    # a subnormal flushed to zero, so no distance took the periodic image.
+    rng = np.random.default_rng(3)
+    box = np.finfo(dtype).max / 2
+    points = (rng.random((60, 2)) * box).astype(dtype)
+    x = (rng.random((7, 2)) * box).astype(dtype)
+    # A minimum image is a difference of numbers up to the box: rounding relative
+    # to the box.
+    rtol = 32 * np.finfo(dtype).eps
+    tree = kdeqx.KDTree(points, box=box)
+    # scipy fails this far out: it searches the data scaled by a power of two.
+    unit = 2.0 ** np.frexp(box)[1]
+    reference = cKDTree(points / unit, boxsize=float(box) / unit)
+    expected, expected_indices = reference.query(x / unit, 3)
+    expected = expected * unit
+
+    @jax.jit
+    def nearest(x):  # the tree is a constant here, its box too
+        return tree.query(x, 3)
+
+    for distances, indices in (tree.query(x, 3), nearest(x)):
+        np.testing.assert_array_equal(indices, expected_indices)
+        np.testing.assert_allclose(distances, expected, rtol=rtol)
+    r = float(0.2 * box)
+    queries = kdeqx.KDTree(x, box=box)
+    found, count = queries.sparse_distance_matrix(tree, r, 7 * 60)
+    expected_matrix = cKDTree(x / unit, boxsize=float(box) / unit)
+    expected_matrix = expected_matrix.sparse_distance_matrix(reference, r / unit)
+    expected_matrix = expected_matrix.toarray() * unit
+    assert int(count) == np.count_nonzero(expected_matrix)
+    np.testing.assert_allclose(found.todense(), expected_matrix, rtol=rtol)
