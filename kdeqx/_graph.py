@@ -11,6 +11,8 @@ of systems becomes one tree: each system is moved along an extra axis, far enoug
 from the others that no edge joins two of them.
 """
 
+import functools as ft
+
 import equinox as eqx
 import jax
 import jax.lax as lax
@@ -30,7 +32,7 @@ from ._cell import (
     shift_table,
 )
 from ._custom_types import Array, ArrayLike, Bool, Float, Int, PyTree
-from ._metric import Block, EUCLIDEAN
+from ._metric import Block, EUCLIDEAN, norm_without_overflow, unit_exponent
 from ._pairs import unpacked
 from ._search import rows_at, search_threshold
 from ._traverse import AbstractEmitter, Sink, walk_many
@@ -149,11 +151,14 @@ def with_points(graph: NeighborGraph, points, lattice) -> NeighborGraph:
 
 def _lengths(components: list[Array], valid: Bool[Array, " edges"]):
     """Euclidean lengths, `inf` at padding, with zero (not NaN) gradients at zero
-    length. Edges are at most the cutoff long, so the squares cannot overflow."""
-    squared = sum(c * c for c in components)
+    length, measured in a unit near each edge's largest component: squared float32
+    lengths beyond ~1e19 would overflow, below ~1e-19 underflow."""
+    largest = ft.reduce(jnp.maximum, [jnp.abs(c) for c in components])
+    unit = jnp.ldexp(jnp.ones((), largest.dtype), unit_exponent(largest))
+    squared = sum((c / unit) ** 2 for c in components)
     positive = squared > 0
     length = jnp.where(positive, jnp.sqrt(jnp.where(positive, squared, 1)), 0)
-    return jnp.where(valid, length, jnp.inf)
+    return jnp.where(valid, length * unit, jnp.inf)
 
 
 def radius_graph(
@@ -522,8 +527,8 @@ def _nearest(tree: KDTree, x, bound, wanted: int):
 def _beyond_every_candidate(wrapped, offsets):
     """A separation of segments beyond any candidate distance within one: the span
     of the wrapped points plus the farthest image offset."""
-    span = jnp.linalg.norm(jnp.max(wrapped, axis=0) - jnp.min(wrapped, axis=0))
-    return 2 * (span + jnp.max(jnp.linalg.norm(offsets, axis=1))) + 1
+    span = norm_without_overflow(jnp.max(wrapped, axis=0) - jnp.min(wrapped, axis=0))
+    return 2 * (span + jnp.max(norm_without_overflow(offsets))) + 1
 
 
 def _padding_last(valid, senders, receivers, images, n):

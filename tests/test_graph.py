@@ -359,3 +359,33 @@ def test_to_jraph_message_passing_equals_segment_sum():
     np.add.at(expected, receivers, np.asarray(features)[senders, 0])
     np.testing.assert_allclose(summed[:, 0], expected)
     assert (np.asarray(graphs.nodes[30]) == 0).all()
+
+
+def test_edge_lengths_far_from_unit_coordinates():
+    # Squared float32 lengths overflow beyond ~1e19 and underflow below ~1e-19: each
+    # edge is measured in a unit near its own size.
+    rng = np.random.default_rng(5)
+    base = rng.random((60, 3))
+    batch = np.repeat([0, 1], 30)
+    for shift in (-100, 70):
+        c = 2.0**shift
+        points = (base * c).astype(np.float32)
+        cell = (np.eye(3) * c).astype(np.float32)
+        graphs = [
+            kdeqx.radius_graph(points, 0.3 * c, 2000),
+            kdeqx.radius_graph(points, 0.3 * c, 2000, cell=cell),
+            kdeqx.knn_graph(points, 3, batch=batch),
+        ]
+        for graph, shifts in zip(graphs, (0, 1, 0)):
+            count = int(graph.count)
+            assert count > 0
+            s, r = (
+                np.asarray(graph.senders[:count]),
+                np.asarray(graph.receivers[:count]),
+            )
+            vector = base[r] - base[s] + shifts * np.asarray(graph.shifts[:count])
+            np.testing.assert_allclose(
+                np.asarray(graph.distances[:count]) / c,
+                np.linalg.norm(vector, axis=1),
+                rtol=1e-6,
+            )
