@@ -11,8 +11,6 @@ of systems becomes one tree: each system is moved along an extra axis, far enoug
 from the others that no edge joins two of them.
 """
 
-import functools as ft
-
 import equinox as eqx
 import jax
 import jax.lax as lax
@@ -32,7 +30,7 @@ from ._cell import (
     shift_table,
 )
 from ._custom_types import Array, ArrayLike, Bool, Float, Int, PyTree
-from ._metric import Block, EUCLIDEAN, norm_without_overflow, unit_exponent
+from ._metric import Block, EUCLIDEAN, norm_without_overflow
 from ._pairs import unpacked
 from ._search import rows_at, search_threshold
 from ._traverse import AbstractEmitter, Sink, walk_many
@@ -151,14 +149,9 @@ def with_points(graph: NeighborGraph, points, lattice) -> NeighborGraph:
 
 def _lengths(components: list[Array], valid: Bool[Array, " edges"]):
     """Euclidean lengths, `inf` at padding, with zero (not NaN) gradients at zero
-    length, measured in a unit near each edge's largest component: squared float32
-    lengths beyond ~1e19 would overflow, below ~1e-19 underflow."""
-    largest = ft.reduce(jnp.maximum, [jnp.abs(c) for c in components])
-    unit = jnp.ldexp(jnp.ones((), largest.dtype), unit_exponent(largest))
-    squared = sum((c / unit) ** 2 for c in components)
-    positive = squared > 0
-    length = jnp.where(positive, jnp.sqrt(jnp.where(positive, squared, 1)), 0)
-    return jnp.where(valid, length * unit, jnp.inf)
+    length, measured without overflow or underflow (`norm_without_overflow`)."""
+    length = norm_without_overflow(jnp.stack(components, axis=-1))
+    return jnp.where(valid, length, jnp.inf)
 
 
 def radius_graph(
