@@ -10,7 +10,13 @@ import jax.numpy as jnp
 
 from ._cell import as_cell, Cell, image_counts
 from ._custom_types import Array, ArrayLike, Bool, Float, Int
-from ._graph import _check_batch, _radius_graph, NeighborGraph, with_points
+from ._graph import (
+    _check_batch,
+    _radius_graph,
+    NeighborGraph,
+    radius_edge_count,
+    with_points,
+)
 from ._search import rows_at
 from ._tree import check_points
 from ._validate import as_float_array, check_finite, check_positive, check_static_int
@@ -88,16 +94,17 @@ class NeighborList(eqx.Module):
         counts = image_counts(cell_, cutoff + skin, images)
         segment = _check_batch(batch, n)
 
-        def pairs(capacity: int) -> NeighborGraph:
-            return _pairs_in_reach(
-                positions, cutoff + skin, cell_, segment, capacity, counts, half
-            )
-
+        reach = cutoff + skin
         if max_edges is None:  # a first pass counts the pairs
-            capacity = max(1, math.ceil(int(pairs(1).count) * margin) + 1)
+            found = radius_edge_count(
+                positions, reach, cell_, segment, counts, False, half, _LEAF_SIZE
+            )
+            capacity = max(1, math.ceil(int(found) * margin) + 1)
         else:
             capacity = check_static_int("max_edges", max_edges, 1)
-        graph = pairs(capacity)
+        graph = _pairs_in_reach(
+            positions, reach, cell_, segment, capacity, counts, half
+        )
         return cls(
             graph,
             positions,
@@ -215,11 +222,13 @@ class NeighborList(eqx.Module):
         )
 
 
+_LEAF_SIZE = 32  # the trees' default
+
+
 def _pairs_in_reach(positions, reach, cell, segment, capacity, images, half):
-    """The radius graph within `reach` that a list holds (no self loops, the
-    default leaf size)."""
+    """The radius graph within `reach` that a list holds (no self loops)."""
     return _radius_graph(
-        positions, reach, cell, segment, capacity, images, False, half, 32
+        positions, reach, cell, segment, capacity, images, False, half, _LEAF_SIZE
     )
 
 

@@ -54,6 +54,30 @@ def test_update_follows_wrapped_particles_and_rebuilds_in_time():
     assert not bool(neighbours.overflow)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"cell": CELL},
+        {"cell": CELL, "half": True},
+        {"batch": np.repeat([0, 1], 20)},
+    ],
+    ids=["free space", "cell", "half", "batch"],
+)
+def test_capacity_is_sized_from_the_pairs_found(options):
+    """The first pass counts the pairs without collecting them: the capacity is
+    `ceil(pairs * margin) + 1`, the pairs those of a radius graph at `cutoff + skin`
+    (which collects them); no pairs at all leave room for one."""
+    y = np.random.default_rng(4).uniform(0, 4, (40, 3))
+    neighbours = kdeqx.NeighborList.allocate(y, 1.1, skin=0.3, margin=1.5, **options)
+    pairs = int(kdeqx.radius_graph(y, 1.4, 2000, **options).count)
+    assert pairs > 0
+    assert neighbours.max_edges == int(np.ceil(pairs * 1.5)) + 1
+    assert int(neighbours.edges.count) == pairs and not bool(neighbours.overflow)
+    lonely = kdeqx.NeighborList.allocate(y[:1], 1.1, skin=0.3)
+    assert lonely.max_edges == 1 and int(lonely.edges.count) == 0
+
+
 def test_overflow_is_reported_and_reallocate_makes_room():
     rng = np.random.default_rng(1)
     y = rng.uniform(0, 4, (50, 3)).astype(np.float32)
