@@ -39,6 +39,17 @@ def is_concrete(array: Array) -> bool:
     return not isinstance(jnp.zeros((), jnp.int32) + 0, jax.core.Tracer)
 
 
+def _finite_now(array: Array) -> bool:
+    """Whether a concrete array is all finite: read in place by NumPy when it lives
+    on one CPU device (no program to compile for each new shape), else reduced
+    where it lives."""
+    if isinstance(array, jax.Array):
+        devices = array.devices()
+        if len(devices) > 1 or next(iter(devices)).platform != "cpu":
+            return bool(all_finite(array))
+    return bool(np.isfinite(np.asarray(array)).all())
+
+
 def check_finite(name: str, array: Array, *, traced: bool = True) -> Array:
     """Rejects NaN and inf: eagerly with `ValueError`, under `jit` via `eqx.error_if`.
 
@@ -52,7 +63,7 @@ def check_finite(name: str, array: Array, *, traced: bool = True) -> Array:
     if not is_concrete(array) and not traced:
         return array
     if is_concrete(array):
-        if not bool(all_finite(array)):
+        if not _finite_now(array):
             bad = ~np.isfinite(np.asarray(array))
             first = tuple(int(i) for i in np.argwhere(bad)[0])
             raise ValueError(
