@@ -33,7 +33,7 @@ class Cell(eqx.Module):
     def heights(self) -> Float[Array, " d"]:
         """The distances between opposite faces: `1 / |b_i|` for the reciprocal
         vectors `b_i`, the columns of `inv(lattice)`."""
-        unit, scale = _near_one(self.lattice)
+        unit, scale = _near_one(self.lattice, jnp)
         return scale / jnp.linalg.norm(jnp.linalg.inv(unit), axis=0)
 
     def wrapped(
@@ -98,24 +98,28 @@ def _check_pbc(pbc, d: int) -> tuple[bool, ...]:
 def _check_nondegenerate(lattice: Array) -> Array:
     """Rejects a cell whose volume is negligible beside its vectors' lengths (a
     singular or nearly flat cell, which has no fractional coordinates)."""
-    unit, _ = _near_one(lattice)
-    lengths = jnp.prod(jnp.linalg.norm(unit, axis=1))
-    volume = jnp.abs(jnp.linalg.det(unit))
-    flat = ~(volume > jnp.sqrt(jnp.finfo(lattice.dtype).eps) * lengths)
     message = "`cell` must span a volume: its vectors are linearly dependent."
-    if is_concrete(lattice):
-        if bool(flat):
+    if is_concrete(lattice):  # in NumPy: nothing to compile for a first cell
+        if _is_flat(np.asarray(lattice), np):
             raise ValueError(message)
         return lattice
-    return eqx.error_if(lattice, flat, message)
+    return eqx.error_if(lattice, _is_flat(lattice, jnp), message)
 
 
-def _near_one(lattice: Array) -> tuple[Array, Array]:
+def _is_flat(lattice, xp):
+    """Whether the cell is (nearly) flat, in NumPy or JAX (`xp`)."""
+    unit, _ = _near_one(lattice, xp)
+    lengths = xp.prod(xp.linalg.norm(unit, axis=1))
+    volume = xp.abs(xp.linalg.det(unit))
+    return ~(volume > xp.sqrt(xp.finfo(lattice.dtype).eps) * lengths)
+
+
+def _near_one(lattice, xp):
     """`(lattice / scale, scale)`, `scale` its largest entry (1 for zeros): a cell of
     side 1e-30 or 1e30 is no less a cell, but its determinant and reciprocal norms
     would underflow or overflow."""
-    largest = jnp.max(jnp.abs(lattice))
-    scale = jnp.where(largest > 0, largest, 1)
+    largest = xp.max(xp.abs(lattice))
+    scale = xp.where(largest > 0, largest, 1).astype(lattice.dtype)
     return lattice / scale, scale
 
 

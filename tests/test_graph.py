@@ -309,6 +309,27 @@ def test_tiny_inputs():
     assert int(lonely.count) == 0 and not bool(lonely.overflow)
 
 
+@pytest.mark.parametrize("scale", [1e-30, 1.0, 1e30])
+def test_flat_cells_are_rejected_eagerly_and_under_jit(scale):
+    """A cell whose volume is negligible beside its vectors (one vector a 1e-5 tilt
+    away from another's line) raises, eagerly and under `jit`, at any scale; the
+    same cell tilted by 0.5 is a cell."""
+    x = np.random.default_rng(0).random((10, 3)).astype(np.float32) * scale
+
+    def cell(tilt):
+        lattice = [[1.0, 0.0, 0.0], [2.0, tilt, 0.0], [0.0, 0.0, 1.0]]
+        return np.array(lattice, np.float32) * np.float32(scale)
+
+    def count(lattice):
+        return kdeqx.radius_graph(x, 0.2 * scale, 400, cell=lattice).count
+
+    with pytest.raises(ValueError, match="volume"):
+        count(cell(1e-5))
+    with pytest.raises(Exception, match="volume"):
+        jax.block_until_ready(jax.jit(count)(cell(1e-5)))
+    assert int(count(cell(0.5))) == int(jax.jit(count)(cell(0.5))) > 0
+
+
 def test_bad_input_raises_clear_errors():
     x = np.random.default_rng(0).random((10, 3)).astype(np.float32)
     with pytest.raises(ValueError, match="volume"):
