@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Literal, TYPE_CHECKING
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 
 from ._custom_types import Array, ArrayLike, Bool, Float
@@ -27,6 +28,11 @@ if TYPE_CHECKING:
 Kernel = Literal["idw", "gaussian", "rbf", "mls"]
 
 
+# Jitted, each of these three: called eagerly, each is one program to compile for a
+# new shape, not one per operation.
+
+
+@ft.partial(jax.jit, static_argnames="power")
 def _idw_weights(
     distances: Float[Array, "*batch k"], found: Bool[Array, "*batch k"], power: float
 ) -> Float[Array, "*batch k"]:
@@ -45,6 +51,7 @@ def _idw_weights(
     return jnp.where(on_data, hit.astype(distances.dtype), smooth)
 
 
+@jax.jit
 def _gaussian_weights(
     distances: Float[Array, "*batch k"],
     found: Bool[Array, "*batch k"],
@@ -82,7 +89,7 @@ def kernel_method(
     if kernel == "idw":
         if not power > 0:
             raise ValueError(f"`power` must be > 0 for kernel='idw', got {power}.")
-        return ft.partial(_idw_weights, power=power)
+        return ft.partial(_idw_weights, power=float(power))  # static
     if kernel == "gaussian":
         if length_scale is None:
             raise ValueError("kernel='gaussian' needs a `length_scale`.")
@@ -115,6 +122,7 @@ def kernel_method(
     )
 
 
+@jax.jit
 def weighted_mean(
     weights: Float[Array, "*batch k"], rows: Float[Array, "..."]
 ) -> Float[Array, "..."]:

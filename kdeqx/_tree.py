@@ -733,8 +733,12 @@ class KDTree(AbstractKDTree):
     def _knn_rows(self, x, k, values, metric):
         no_bound = jnp.asarray(jnp.inf, x.dtype)
         distances, indices = self._knn(x, no_bound, k, metric)
-        # Split like the queries on an explicit mesh.
-        return distances, indices, split_like_queries(rows_at)(values, indices)
+        # Split like the queries on an explicit mesh; one program when called eagerly
+        # (the gather's few operations would each compile on their own).
+        return distances, indices, split_like_queries(_rows_at)(values, indices)
+
+
+_rows_at = jax.jit(rows_at)
 
 
 def _checked_capacity(
