@@ -117,6 +117,8 @@ class NeighborGraph(eqx.Module):
         )
 
 
+# Jitted, as `with_points`: eagerly, one program to compile, not one per operation.
+@jax.jit
 def _edge_vectors(senders, receivers, shifts, points, cell):
     return jnp.stack(_edge_components(senders, receivers, shifts, points, cell), -1)
 
@@ -138,6 +140,7 @@ def _edge_components(senders, receivers, shifts, points, cell) -> list[Array]:
     return components
 
 
+@eqx.filter_jit
 def with_points(graph: NeighborGraph, points, lattice) -> NeighborGraph:
     """The graph with its distances measured for `points` and `lattice`."""
     components = _edge_components(
