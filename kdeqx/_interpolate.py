@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 Kernel = Literal["idw", "gaussian", "rbf", "mls"]
 
 
-# Jitted, each of these three: called eagerly, each is one program to compile for a
-# new shape, not one per operation.
+# `_idw_weights`, `_gaussian_weights` and `weighted_mean` are jitted: called eagerly,
+# each is one program to compile for a new shape, not one per operation.
 
 
 @ft.partial(jax.jit, static_argnames="power")
