@@ -105,6 +105,18 @@ def test_shortcuts_agree_with_the_general_recursion(name):
     assert np.all(relative_errors(got, expected) < 1e-12)
 
 
+def _assert_derivatives_match_finite_differences(loss):
+    """Forward and reverse derivatives of `loss` at zero against central
+    differences."""
+    zero = jnp.float64(0.0)
+    h = 1e-6
+    finite_difference = (loss(zero + h) - loss(zero - h)) / (2 * h)
+    _, forward = jax.jvp(loss, (zero,), (jnp.float64(1.0),))
+    reverse = jax.grad(loss)(zero)
+    assert abs(forward - finite_difference) < 1e-6 * abs(finite_difference)
+    assert abs(reverse - finite_difference) < 1e-6 * abs(finite_difference)
+
+
 @pytest.mark.x64
 def test_derivatives_leave_the_hermitian_matrices():
     """Along a direction that makes the generator non-Hermitian, `W = V^H` no longer
@@ -122,13 +134,7 @@ def test_derivatives_leave_the_hermitian_matrices():
         )
         return jnp.sum(jnp.abs(series.normalised(t)) ** 2)
 
-    zero = jnp.float64(0.0)
-    h = 1e-6
-    finite_difference = (loss(zero + h) - loss(zero - h)) / (2 * h)
-    _, forward = jax.jvp(loss, (zero,), (jnp.float64(1.0),))
-    reverse = jax.grad(loss)(zero)
-    assert abs(forward - finite_difference) < 1e-6 * abs(finite_difference)
-    assert abs(reverse - finite_difference) < 1e-6 * abs(finite_difference)
+    _assert_derivatives_match_finite_differences(loss)
 
 
 # Diagonal factored matrices: (hamiltonian, observable). `W` takes the shortcut from
@@ -199,10 +205,4 @@ def test_derivatives_leave_the_diagonal_observable(diagonal_shortcut_at_any_size
         series = kdeqx.OperatorSeries(hamiltonian, x0, DIAGONAL_ORDER)
         return jnp.sum(jnp.abs(series.normalised(t)) ** 2)
 
-    zero = jnp.float64(0.0)
-    h = 1e-6
-    finite_difference = (loss(zero + h) - loss(zero - h)) / (2 * h)
-    _, forward = jax.jvp(loss, (zero,), (jnp.float64(1.0),))
-    reverse = jax.grad(loss)(zero)
-    assert abs(forward - finite_difference) < 1e-6 * abs(finite_difference)
-    assert abs(reverse - finite_difference) < 1e-6 * abs(finite_difference)
+    _assert_derivatives_match_finite_differences(loss)

@@ -472,8 +472,8 @@ def _coefficients(
     hamiltonian: Terms, observable: Terms, order: int, fast: bool
 ) -> Scaled:
     """`X_k(t) / k!` for `k = 0..K` in scaled form, the coefficients of
-    `Y = V⁻¹ X_0 V = W P`; with `fast`, taking the [`hermitian_shortcuts`][] where
-    they hold."""
+    `Y = V⁻¹ X_0 V = W P`; with `fast`, taking the [`hermitian_shortcuts`][] and
+    scaling by diagonal factored matrices where they hold."""
     if fast:
         unitary, paired = hermitian_shortcuts(hamiltonian, observable)
     else:
@@ -506,7 +506,8 @@ def heisenberg_coefficients(
 
     A Hermitian generator (checked exactly, at run time) makes `V` unitary, so
     `W = V^H` costs no products; a constant Hermitian `X_0` besides pairs the terms
-    of the Cauchy product as adjoints, which halves it. Derivatives are those of the
-    general recursion, whatever the generator.
+    of the Cauchy product as adjoints, which halves it; diagonal factored matrices
+    (from [`DIAGONAL_FROM`][] on) scale instead of multiplying. Derivatives are those
+    of the general recursion, whatever the generator.
     """
     return _fast_coefficients(hamiltonian, observable, order=order)
