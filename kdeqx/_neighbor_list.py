@@ -96,9 +96,7 @@ class NeighborList(eqx.Module):
 
         reach = cutoff + skin
         if max_edges is None:  # a first pass counts the pairs
-            found = radius_edge_count(
-                positions, reach, cell_, segment, counts, False, half, _LEAF_SIZE
-            )
+            found = _count_in_reach(positions, reach, cell_, segment, counts, half)
             capacity = max(1, math.ceil(int(found) * margin) + 1)
         else:
             capacity = check_static_int("max_edges", max_edges, 1)
@@ -223,6 +221,13 @@ class NeighborList(eqx.Module):
 
 
 _LEAF_SIZE = 32  # the trees' default
+
+
+def _count_in_reach(positions, reach, cell, segment, images, half):
+    """How many pairs [`_pairs_in_reach`][] finds, without collecting them."""
+    return radius_edge_count(
+        positions, reach, cell, segment, images, False, half, _LEAF_SIZE
+    )
 
 
 def _pairs_in_reach(positions, reach, cell, segment, capacity, images, half):
