@@ -138,7 +138,56 @@ def test_taylor_expansion_keeps_the_factored_form_exactly():
         np.testing.assert_allclose(assembled, dense, rtol=1e-14, atol=1e-15)
 
 
+@pytest.mark.x64
+def test_the_constant_term_is_known_while_tracing():
+    """A constant part is the last term, flagged, with the unit series (one, then
+    zeros), which the recursion relies on to skip its sums."""
+    h0, h1 = (np.asarray(m) for m in matrices(2, 3, jnp.float64))
+    cases = {
+        "driven": (lambda t: h0 + jnp.cos(t) * h1, True),
+        "no constant": (lambda t: jnp.cos(t) * h1 + t * h0, False),
+        "constant only": (lambda t: h0, True),
+        "constant product": (lambda t: (jnp.sin(t) * h1) @ h0 + h0 @ h0, True),
+    }
+    unit = np.eye(1, 10)[0]
+    for name, (fn, constant) in cases.items():
+        expansion = taylor_expansion(fn, jnp.float64(0.7), 9)
+        assert isinstance(expansion, FactoredCoefficients), name
+        assert expansion.constant_last is constant, name
+        if constant:
+            np.testing.assert_array_equal(expansion.scalars[-1], unit)
+
+
 # --- The same results as the general path ---------------------------------------------
+
+
+@pytest.mark.x64
+def test_sums_spare_the_constant_terms(monkeypatch):
+    """From `PLANES_FROM` on (lowered here), a factored generator and observable read
+    the propagator as real planes, and their constant terms (`H0`, a constant `X_0`)
+    scale its newest coefficient instead of summing over all of them: values and
+    derivatives are the general path's, with and without constant terms."""
+    h0, h1, h2 = matrices(3, 4, jnp.float64)
+    x0, x1 = matrices(2, 4, jnp.float64, seed=1)
+    cases = [
+        (lambda t: h0 + jnp.cos(t) * h1, x0),  # both with a constant term
+        (lambda t: jnp.cos(t) * h1 + t * h2, lambda t: jnp.exp(-t) * x1),  # neither
+        (lambda t: h0 + jnp.exp(1j * t) * h2, lambda t: x0 + t * x1),  # both, J = 2
+    ]
+    t = jnp.float64(0.4)
+    monkeypatch.setattr(_recursion, "PLANES_FROM", 1)
+    for hamiltonian, observable in cases:
+        fast = kdeqx.OperatorSeries(hamiltonian, observable, 12)
+        general = kdeqx.OperatorSeries(hamiltonian, observable, 12, factored=False)
+        assert np.all(relative_errors(values(fast, t), values(general, t)) < 1e-12)
+
+    def grad(series):
+        return jax.grad(lambda t: jnp.sum(jnp.abs(series.normalised(t)) ** 2))(t)
+
+    hamiltonian, observable = cases[2]
+    fast = kdeqx.OperatorSeries(hamiltonian, observable, 7)
+    general = kdeqx.OperatorSeries(hamiltonian, observable, 7, factored=False)
+    np.testing.assert_allclose(grad(fast), grad(general), rtol=1e-12)
 
 
 @pytest.mark.x64

@@ -163,6 +163,7 @@ class FactoredTerms(eqx.Module):
     matrix_factors: Array
     diagonal: Bool[Array, ""] | bool
     real_scalars: bool = eqx.field(static=True)
+    constant_last: bool = eqx.field(static=True)
 
     @staticmethod
     def of(
@@ -170,9 +171,12 @@ class FactoredTerms(eqx.Module):
         matrices: Complex[Array, "J n n"],
         length: int,
         real_scalars: bool = False,
+        constant_last: bool = False,
     ) -> "FactoredTerms":
         """`real_scalars`: whether the scalar functions are known to be real (their
-        dtype was), which [`FactoredTerms.hermitian`][] then need not check."""
+        dtype was), which [`FactoredTerms.hermitian`][] then need not check;
+        `constant_last`: whether the last term is known to be constant (its scalar
+        series one, then zeros), whose sums then need no pass over `X`."""
         padded = _padded(scalars.T, length).T
         matrices_ = Scaled.of(matrices)
         return FactoredTerms(
@@ -181,6 +185,7 @@ class FactoredTerms(eqx.Module):
             complex_factors(matrices_.mantissa),
             _all_diagonal(matrices) if matrices.shape[-1] >= DIAGONAL_FROM else False,
             real_scalars,
+            constant_last,
         )
 
     def hermitian(self) -> Bool[Array, ""]:
@@ -266,6 +271,28 @@ def _weighted_sums(
     return lax.complex(by_real[:, 0] - by_imag[:, 1], by_real[:, 1] + by_imag[:, 0])
 
 
+def _sums_sparing_constants(
+    weights: Complex[Array, "J L"],
+    planes: Real[Array, "L 2 n n"],
+    m: Int[Array, ""],
+    current: Complex[Array, "n n"],
+    constant_rows: tuple[int, ...],
+) -> Complex[Array, "J n n"]:
+    """[`_weighted_sums`][], where the rows `constant_rows` belong to constant terms:
+    their only nonzero weight is that of `x[m]` (`current`), so they scale it and the
+    pass over every `x[i]` serves the other rows alone. For `H0 + cos(t) H1` with a
+    constant `X_0` that is two real rows of weights instead of six (alone, at
+    n = 1024: 34 ms against 71-93 ms); the whole series at n = 256, K = 40 ran
+    0.5-8 % faster (seven interleaved comparisons), at n = 1024 within noise."""
+    count = weights.shape[0]
+    others = [row for row in range(count) if row not in constant_rows]
+    by_row = {row: weights[row, m] * current for row in constant_rows}
+    if others:
+        summed = _weighted_sums(weights[jnp.asarray(others)], planes)
+        by_row.update(zip(others, summed))
+    return jnp.stack([by_row[row] for row in range(count)])
+
+
 def _matrices(terms: Terms) -> Array:
     """Some of the generator's matrices, for their size and dtype."""
     if isinstance(terms, DenseTerms):
@@ -300,9 +327,19 @@ def _propagators(
         observable, FactoredTerms
     )
     use_planes = both_factored and n >= PLANES_FROM
+    constant_rows = ()
+    if use_planes:
+        assert isinstance(hamiltonian, FactoredTerms)
+        assert isinstance(observable, FactoredTerms)
+        # The rows of the constant terms (`H0`, a constant `X_0`) in the weights.
+        h_count = hamiltonian.matrices.exponent.shape[0]
+        x_count = observable.matrices.exponent.shape[0]
+        constant_rows = (h_count - 1,) * hamiltonian.constant_last + (
+            h_count + x_count - 1,
+        ) * observable.constant_last
 
     def step(carry, k):
-        v, planes, w = carry
+        v, planes, w, latest = carry
         m = k - 1
         step_factor = (1 / k.astype(jnp.finfo(dtype).dtype)).astype(dtype)
         one = jnp.ones((), dtype)
@@ -313,11 +350,13 @@ def _propagators(
             h_weights, h_top = hamiltonian.weights(v, m, -1j * step_factor)
             x_weights, x_top = observable.weights(v, m, one)
             weights = jnp.concatenate([h_weights, x_weights])
+            count = h_weights.shape[0]
             if use_planes:
-                sums = _weighted_sums(weights, planes)
+                sums = _sums_sparing_constants(
+                    weights, planes, m, latest, constant_rows
+                )
             else:
                 sums = jnp.tensordot(weights, v.mantissa, 1)
-            count = h_weights.shape[0]
             new_v = hamiltonian.finish(sums[:count], h_top, generator_first=True)
             new_p = observable.finish(sums[count:], x_top, generator_first=True)
         else:
@@ -334,16 +373,21 @@ def _propagators(
             # V's mantissas live in its planes alone; its exponents are kept here.
             exponent = lax.dynamic_update_index_in_dim(v.exponent, new_v.exponent, k, 0)
             v = Scaled(v.mantissa, exponent)
+            latest = new_v.mantissa
         else:
             v = v.with_row(k, new_v)
-        return (v, planes, w.with_row(k, new_w)), new_p
+        return (v, planes, w.with_row(k, new_w), latest), new_p
 
-    v, planes = start, None
+    v, planes, latest = start, None, None
     if use_planes:
         planes = jnp.stack([start.mantissa.real, start.mantissa.imag], axis=1)
         # No complex copy of V's coefficients: 16 n^2 (K + 2) bytes fewer.
         v = Scaled(jnp.zeros((length, 0, 0), dtype), start.exponent)
-    (_, _, w), p = lax.scan(step, (v, planes, start), jnp.arange(1, length))
+        # The newest coefficient's mantissa, for the constant terms. Read from the
+        # planes, which the step then updates, it made XLA copy them every step.
+        latest = start.mantissa[0]
+    carry = (v, planes, start, latest)
+    (_, _, w, _), p = lax.scan(step, carry, jnp.arange(1, length))
     return w[: order + 1], p
 
 

@@ -332,18 +332,20 @@ def _terms(expansion: _Expansion, dtype: Any, length: int) -> Terms:
     so, else its coefficients."""
     # Constants (the matrices of `H0 + cos(t) H1`, a constant observable) would
     # otherwise be preprocessed by XLA's constant folding, which took 4 s at n = 1024.
-    expansion = lax.optimization_barrier(expansion)
     if isinstance(expansion, FactoredCoefficients):
-        scalars, matrices = expansion
+        scalars, matrices = lax.optimization_barrier(expansion[:2])
         if _factored_terms(expansion, length) is not None:
             return FactoredTerms.of(
                 scalars.astype(dtype),
                 matrices.astype(dtype),
                 length,
                 real_scalars=not jnp.iscomplexobj(scalars),
+                constant_last=expansion.constant_last,
             )
-        expansion = jnp.tensordot(scalars.T, matrices, axes=1)
-    return DenseTerms.of(expansion.astype(dtype), length)
+        coefficients = jnp.tensordot(scalars.T, matrices, axes=1)
+    else:
+        coefficients = lax.optimization_barrier(expansion)
+    return DenseTerms.of(coefficients.astype(dtype), length)
 
 
 def _expansions(

@@ -1077,10 +1077,13 @@ def taylor_coefficients(
 
 class FactoredCoefficients(NamedTuple):
     """Taylor coefficients of the form `coefficient[m] = sum_l scalars[l, m] *
-    matrices[l]`: `J` scalar series times constant arrays."""
+    matrices[l]`: `J` scalar series times constant arrays. Where `constant_last`
+    (known while tracing), the last term is the constant part: its scalar series is
+    one, then zeros."""
 
     scalars: Shaped[Array, "J terms"]
     matrices: Shaped[Array, "J ..."]
+    constant_last: bool = False
 
 
 def taylor_expansion(
@@ -1093,12 +1096,13 @@ def taylor_expansion(
 
     def as_returned(out):
         if isinstance(out, _Factored):
+            constant = out.constant is not None
             out = out.with_constant_as_term()
-            return FactoredCoefficients(out.scalars, out.matrices)
+            return FactoredCoefficients(out.scalars, out.matrices, constant)
         if isinstance(out, _Series):
             return out.coeffs
         out = jnp.asarray(out)
         unit = _with_first(jnp.ones((1,), jnp.finfo(out.dtype).dtype), num_terms)
-        return FactoredCoefficients(unit.T, out[None])
+        return FactoredCoefficients(unit.T, out[None], True)
 
     return jax.tree.unflatten(structure, [as_returned(o) for o in outs])
