@@ -28,6 +28,11 @@ Sections 1-4 use the question's problem, H = cos(t) sy, X_0 = sx, t = 1.
    factored path) is skipped and says so; one that takes over 20 s is run once.
 6. Section 5's driven series and its bound timed alternately, `--repeats` times each,
    best of each: the run/bound ratio without the drift between separate runs.
+7. Section 5's driven series with its Cauchy product computed directly (`O(K^2)`
+   products) and from values at points on circles (`O(K)`, the default where the
+   direct product is large), the choice forced each way: first calls, steady runs
+   timed alternately (best of `--repeats`, one run each past 20 s), and their
+   largest relative difference per order.
 
 Times are on a shared CPU with every core given to XLA (nothing here has a native
 peer to match cores against): they move with the machine's load (printed).
@@ -51,6 +56,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kdeqx  # noqa: E402
+from kdeqx.series import _recursion  # noqa: E402
 
 
 # --- The question's formulation -------------------------------------------------------
@@ -164,7 +170,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-recursive-k", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--sections", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
+    parser.add_argument(
+        "--sections", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7]
+    )
     parser.add_argument("--sizes", type=int, nargs="+", default=[4, 32, 128, 256, 1024])
     parser.add_argument("--orders", type=int, nargs="+", default=[10, 40, 100])
     parser.add_argument("--budget", type=float, default=120.0)
@@ -186,6 +194,8 @@ def main():
         physics_sizes(args)
     if 6 in args.sections:
         interleaved_ratios(args)
+    if 7 in args.sections:
+        points_against_direct(args)
     print("load average at end: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
@@ -470,6 +480,45 @@ def interleaved_ratios(args):
             print(
                 f"{n:>5} {order:>4} {best[0]:>11.4g} {best[1]:>10.4g} "
                 f"{best[0] / best[1]:>10.2f}"
+            )
+
+
+def points_against_direct(args):
+    """The driven series with the product at points forced on and off."""
+    print(
+        "\n7. Section 5's driven series, Cauchy product direct against at points "
+        f"(best of {args.repeats} each, alternately)"
+    )
+    print(
+        f"{'n':>5} {'K':>4} {'first direct':>13} {'first points':>13} "
+        f"{'direct [s]':>11} {'points [s]':>11} {'speed-up':>9} {'max diff':>9}"
+    )
+    t = jnp.float64(0.3)
+    default = _recursion.POINTS_FROM_WORK
+    for n in args.sizes:
+        problem = driven_problem(n)
+        for order in args.orders:
+            runs, firsts, values = [], [], []
+            for work in (math.inf, 0):
+                # New callables, so that each is traced with its own threshold.
+                _recursion.POINTS_FROM_WORK = work
+                series = driven_series(problem, order)
+                run = ft.partial(lambda s: s.normalised(t), series)
+                value, first = timed(run)
+                runs.append(run)
+                firsts.append(first)
+                values.append(np.asarray(value))
+            _recursion.POINTS_FROM_WORK = default
+            best = [math.inf, math.inf]
+            repeats = 1 if max(firsts) > 20 else args.repeats
+            for _ in range(repeats):
+                for i, run in enumerate(runs):
+                    best[i] = min(best[i], timed(run)[1])
+            difference = max_relative_error(values[1], values[0])
+            print(
+                f"{n:>5} {order:>4} {firsts[0]:>13.3f} {firsts[1]:>13.3f} "
+                f"{best[0]:>11.4g} {best[1]:>11.4g} {best[0] / best[1]:>9.2f} "
+                f"{difference:>9.1e}"
             )
 
 
