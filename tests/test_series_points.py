@@ -51,7 +51,8 @@ def _operands(rng, length, n, profile, paired):
 def _direct(w: Scaled, p: Scaled) -> np.ndarray:
     wv, pv = np.asarray(w.values()), np.asarray(p.values())
     length = wv.shape[0]
-    return np.stack([sum(wv[a] @ pv[m - a] for a in range(m + 1)) for m in range(length)])
+    terms = [[wv[a] @ pv[m - a] for a in range(m + 1)] for m in range(length)]
+    return np.stack([sum(row) for row in terms])
 
 
 @pytest.mark.x64
@@ -179,7 +180,8 @@ def test_product_at_points_is_taken_where_it_pays(monkeypatch):
 
     def trace(n, order):
         def coefficients(h):
-            return kdeqx.OperatorSeries(lambda t: jnp.cos(t) * h, h, order).normalised(t)
+            series = kdeqx.OperatorSeries(lambda t: jnp.cos(t) * h, h, order)
+            return series.normalised(t)
 
         jax.eval_shape(coefficients, jax.ShapeDtypeStruct((n, n), jnp.complex128))
 
