@@ -15,10 +15,10 @@ import kdeqx
 from kdeqx.series import _points, _recursion
 from kdeqx.series._points import cauchy_product_at_points, circles, losses
 from kdeqx.series._scaled import Scaled
-from kdeqx.series._series import _generator_terms
 
 from .test_series import random_matrix, relative_errors
-from .test_series_factored import largest_intermediate
+from .test_series_factored import largest_intermediate, values
+from .test_series_hermitian import general_recursion
 
 
 def _random_series(rng, length, n, profile):
@@ -141,22 +141,14 @@ CASES = {
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_series_at_points_equals_the_general_recursion(monkeypatch, name):
     """Lowered to n = 5 and K = 30, the product at points gives the general
-    recursion's coefficients to 1e-12; derivatives (which take the general
-    recursion) match too."""
+    recursion's coefficients to 1e-12, at one time and under `vmap` over times."""
     _forced_points(monkeypatch)
     hamiltonian, observable = CASES[name]()
     order = 30
     series = kdeqx.OperatorSeries(hamiltonian, observable, order)
+    general = general_recursion(series, order)
     t = jnp.float64(0.4)
-    mantissa, exponent = series.normalised_frexp(t)
-    got = np.asarray(mantissa) * np.ldexp(1.0, np.asarray(exponent))[:, None, None]
-
-    @jax.jit
-    def general(t):
-        h, x = _generator_terms(series, t)
-        return _recursion._coefficients(h, x, order, fast=False).values()
-
-    assert np.all(relative_errors(got, general(t)) < 1e-12)
+    assert np.all(relative_errors(values(series, t), general(t)) < 1e-12)
     batch = jnp.asarray([0.4, -1.1])
     batched = jax.vmap(series.normalised)(batch)
     for i, ti in enumerate(batch):
