@@ -130,9 +130,9 @@ CASES = {
         lambda t: _matrix(2, False) + jnp.exp(-t) * _matrix(3, False),
         lambda t: _matrix(4, True) + jnp.sin(t) * _matrix(5, False),
     ),
-    "no factored form": lambda: (
-        lambda t: _matrix(0, True) * jnp.cos(t * jnp.abs(_matrix(6, True))),
-        _matrix(4, True),
+    "driven, Hermitian, observable in time": lambda: (
+        lambda t: _matrix(0, True) + jnp.sin(t) * _matrix(6, True),
+        lambda t: _matrix(4, True) + t * _matrix(5, True),
     ),
 }
 
@@ -157,9 +157,10 @@ def test_series_at_points_equals_the_general_recursion(monkeypatch, name):
 
 @pytest.mark.x64
 def test_product_at_points_is_taken_where_it_pays(monkeypatch):
-    """At the thresholds' defaults, a series whose direct product costs
+    """At the thresholds' defaults, a factored series whose direct product costs
     `POINTS_FROM_WORK` multiply-adds takes the product at points, smaller ones (in
-    size or order) the direct product; lowered, a small one takes it too."""
+    size or order) and unfactored ones the direct product; lowered, a small one
+    takes it too."""
     calls = []
     original = _recursion.cauchy_product_at_points
 
@@ -182,6 +183,12 @@ def test_product_at_points_is_taken_where_it_pays(monkeypatch):
         assert len(calls) == taken, (n, order)
         calls.clear()
     trace(1024, 7)
+    assert not calls
+    # A generator with no factored form keeps the direct product at any size.
+    jax.eval_shape(
+        lambda h: kdeqx.OperatorSeries(lambda t: jnp.cos(t * h), h, 40).normalised(t),
+        jax.ShapeDtypeStruct((256, 256), jnp.complex128),
+    )
     assert not calls
     _forced_points(monkeypatch)
     trace(5, 3)

@@ -494,9 +494,20 @@ POINTS_FROM_WORK = 2**32
 POINTS_ORDER_FROM = 8
 
 
-def _at_points_pays(n: int, order: int) -> bool:
+def _at_points_pays(hamiltonian: Terms, n: int, order: int) -> bool:
+    """Whether the product at points is taken: for factored generators, whose
+    propagators' coefficients fall off as `h^k / k!` and suit a circle or two.
+    A generator given by its coefficients may have any profile: an MLP's falls off
+    geometrically after a far larger zeroth term, so most coefficients lose too
+    much on any circle and are summed one product at a time (n = 128, K = 100:
+    4.00 s against 3.68 s for the direct product; n = 256, K = 40 3.02 s against
+    3.15 s), and its propagator recursion costs most of its time anyway."""
     direct_work = (order + 1) ** 2 * n**3 // 4
-    return order >= POINTS_ORDER_FROM and direct_work >= POINTS_FROM_WORK
+    return (
+        isinstance(hamiltonian, FactoredTerms)
+        and order >= POINTS_ORDER_FROM
+        and direct_work >= POINTS_FROM_WORK
+    )
 
 
 def hermitian_shortcuts(
@@ -530,7 +541,7 @@ def _coefficients(
         hamiltonian = _without_diagonal_shortcut(hamiltonian)
         observable = _without_diagonal_shortcut(observable)
     w, p = _propagators(hamiltonian, observable, order, unitary)
-    if fast and _at_points_pays(_matrices(observable).shape[-1], order):
+    if fast and _at_points_pays(hamiltonian, _matrices(observable).shape[-1], order):
         return cauchy_product_at_points(w, p, paired)
     return _cauchy_product(w, p, paired)
 
