@@ -248,12 +248,23 @@ def _on_circle(
 
     passes = jnp.where(paired, 1, 2)
     total = lax.fori_loop(0, passes, one_pass, jnp.zeros_like(left.mantissa))
-    total = jnp.where(paired, total + _adjoint(total), total)
+    total = jnp.where(paired, total + adjoint(total), total)
     return normalised(total, whole.astype(jnp.int32))
 
 
-def _adjoint(x: Array) -> Array:
+def adjoint(x: Array) -> Array:
     return jnp.conj(jnp.swapaxes(x, -1, -2))
+
+
+def largest_terms(left: Int[Array, " L"], right: Int[Array, " L"]) -> Int[Array, " L"]:
+    """The exponent of the largest term `left[a] right[m - a]` of each coefficient
+    `m` of a Cauchy product, from its operands' exponents (`ZERO_EXPONENT` where all
+    are zero): the scale its terms are summed at."""
+    a = jnp.arange(left.shape[0])[:, None]
+    m = jnp.arange(left.shape[0])[None, :]
+    terms = left[:, None] + right[jnp.maximum(m - a, 0)]
+    top = jnp.max(jnp.where(m >= a, terms, ZERO_EXPONENT), axis=0)
+    return jnp.maximum(top, ZERO_EXPONENT)
 
 
 def _summed_directly(
@@ -274,9 +285,7 @@ def _summed_directly(
     def next_row(after):
         return jnp.min(jnp.where(rows & (index > after), index, length))
 
-    def top_of(m):
-        terms = left.exponent + right.exponent[jnp.maximum(m - index, 0)]
-        return jnp.max(jnp.where(index <= m, terms, ZERO_EXPONENT))
+    tops = largest_terms(left.exponent, right.exponent)
 
     def step(state):
         y, row, m, a = state
@@ -284,14 +293,14 @@ def _summed_directly(
         rhs = complex_factors(right.mantissa[m - a], backend)
         product = complex_product(lhs, rhs, (((1,), (0,)), ((), ())), backend)
         exponent = jnp.maximum(left.exponent[a] + right.exponent[m - a], ZERO_EXPONENT)
-        top = jnp.maximum(top_of(m), ZERO_EXPONENT)
+        top = tops[m]
         half = jnp.where(paired & (2 * a == m), 0.5, 1.0)
         row = row + (powers_of_two(exponent - top, real_dtype) * half) * product
         done = a + 1 > jnp.where(paired, m // 2, m)
 
         # A finished row is written (a cheap select on one row), and a new one
         # starts from zero.
-        finished = normalised(jnp.where(paired, row + _adjoint(row), row), top)
+        finished = normalised(jnp.where(paired, row + adjoint(row), row), top)
         y = y.with_row(
             m, jax.tree.map(lambda f, o: jnp.where(done, f, o), finished, y[m])
         )

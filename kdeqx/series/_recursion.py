@@ -11,8 +11,9 @@ The work. One `lax.scan` over the order computes the coefficients of `V`, `W` an
 coefficients (the general path) makes each step of the first scan a Cauchy sum of
 `K + 2` matrix products; a generator `sum_l c_l(s) M_l` of `J` factored terms makes it
 `J` products after sums weighted by scalars. The Cauchy product costs about
-`K^2 / 2` matrix products either way, or, where that is large, a few times `K`
-from the values of `W` and `P` at points on circles (`_points.py`). No loop's body
+`K^2 / 2` matrix products either way, or, for a factored generator where that is
+large, a few times `K` from the values of `W` and `P` at points on circles
+(`_points.py`). No loop's body
 depends on `K`, so the compiled program does not grow with the order.
 """
 
@@ -26,7 +27,12 @@ import numpy as np
 from jaxtyping import Array, Bool, Complex, Int, Real
 
 from .._backend import complex_factors, complex_product
-from ._points import cauchy_product_at_points, weighted_sums
+from ._points import (
+    adjoint,
+    cauchy_product_at_points,
+    largest_terms,
+    weighted_sums,
+)
 from ._scaled import normalised, powers_of_two, Scaled, ZERO_EXPONENT, zeros
 
 
@@ -57,7 +63,7 @@ def _all_diagonal(matrices: Array) -> Bool[Array, ""]:
 
 
 def _all_hermitian(matrices: Array) -> Bool[Array, ""]:
-    return lax.stop_gradient(jnp.all(matrices == _adjoint(matrices)))
+    return lax.stop_gradient(jnp.all(matrices == adjoint(matrices)))
 
 
 def _only_zeroth(reversed_: Array, axis: int) -> Bool[Array, ""]:
@@ -66,10 +72,6 @@ def _only_zeroth(reversed_: Array, axis: int) -> Bool[Array, ""]:
     length = reversed_.shape[axis] // 2
     past_zeroth = lax.slice_in_dim(reversed_, 0, length - 1, axis=axis)
     return lax.stop_gradient(jnp.all(past_zeroth == 0))
-
-
-def _adjoint(x: Array) -> Array:
-    return jnp.conj(jnp.swapaxes(x, -1, -2))
 
 
 # A matrix product contracting terms and columns at once, `sum_r A[r] @ B[r]`.
@@ -353,7 +355,7 @@ def _propagators(
             new_p = observable.product(v, m, one, generator_first=True)
         new_w = lax.cond(
             unitary,
-            lambda: Scaled(_adjoint(new_v.mantissa), new_v.exponent),
+            lambda: Scaled(adjoint(new_v.mantissa), new_v.exponent),
             lambda: hamiltonian.product(w, m, 1j * step_factor, generator_first=False),
         )
         if use_planes:
@@ -437,12 +439,8 @@ def _cauchy_product(
     length, n = left.exponent.shape[0], left.mantissa.shape[-1]
     order = length - 1
     k = window_size(n) if window is None else window
-    a = jnp.arange(length)[:, None]
-    m = jnp.arange(length)[None, :]
-    term_exponents = left.exponent[:, None] + right.exponent[jnp.maximum(m - a, 0)]
-    top = jnp.max(jnp.where(m >= a, term_exponents, ZERO_EXPONENT), axis=0)
     # `k` more rows, where the last window of a right term may reach.
-    top = jnp.pad(jnp.maximum(top, ZERO_EXPONENT), (0, k))
+    top = jnp.pad(largest_terms(left.exponent, right.exponent), (0, k))
     left_exponents = jnp.pad(left.exponent, (0, k), constant_values=ZERO_EXPONENT)
     lefts = complex_factors(_padded(left.mantissa, length + k))
     lefts = lefts.reshape(*lefts.shape[:-3], (length + k) * n, n)
@@ -479,7 +477,7 @@ def _cauchy_product(
         state = lax.while_loop(lambda s: s[1] <= order, step, state)
     total = state[0][:length]
     # Where the partners are adjoints, they are added once, at the end.
-    total = jnp.where(hermitian, total + _adjoint(total), total)
+    total = jnp.where(hermitian, total + adjoint(total), total)
     return normalised(total, top[:length])
 
 
