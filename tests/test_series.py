@@ -260,6 +260,30 @@ def test_non_hermitian_polynomial_generator_to_order_16(dtype):
 
 
 @pytest.mark.x64
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("factored", [False, True])
+def test_real_non_symmetric_polynomial_generator_to_order_16(dtype, factored):
+    """Real coefficients take two real products instead of complex ones when given as
+    coefficients (`factored=False`); a non-symmetric generator needs `W` by its own
+    products, and a time-dependent observable its own."""
+    keys = jax.random.split(jax.random.key(6), 5)
+    h = np.stack([np.asarray(jax.random.normal(k, (4, 4))) for k in keys[:3]]) / 2
+    x = np.stack([np.asarray(jax.random.normal(k, (4, 4))) for k in keys[3:]])
+    h_, x_ = jnp.asarray(h, dtype), jnp.asarray(x, dtype)
+    series = kdeqx.OperatorSeries(
+        lambda t: h_[0] + t * h_[1] + t**2 * h_[2],
+        lambda t: x_[0] + t * x_[1],
+        16,
+        factored=factored,
+    )
+    got = series.normalised(jnp.asarray(0.3, dtype))
+    assert got.dtype == complex_dtype(dtype)
+    expected = polynomial_reference(h, x, 0.3, 16)
+    limit = 1e-4 if dtype == jnp.float32 else 1e-10
+    assert np.all(relative_errors(got, expected) < limit)
+
+
+@pytest.mark.x64
 def test_order_zero_is_the_observable():
     sx, sy, _ = pauli(jnp.float64)
     series = kdeqx.OperatorSeries(lambda t: jnp.cos(t) * sy, lambda t: t * sx, 0)
@@ -577,9 +601,9 @@ def test_small_series_start_quickly_and_agree_inside_transformations(monkeypatch
 
     asked = []
 
-    def spy():
+    def spy(*args, **kwargs):
         asked.append(True)
-        return _backend.quick_start_options()
+        return _backend.quick_start_options(*args, **kwargs)
 
     monkeypatch.setattr(_series, "quick_start_options", spy)
     order, t = 14, jnp.float64(0.7)
@@ -602,6 +626,49 @@ def test_small_series_start_quickly_and_agree_inside_transformations(monkeypatch
     monkeypatch.setattr(_series, "QUICK_START_UP_TO", 1)
     assert np.max(relative_errors(series.normalised(t), expected)) < 1e-12
     assert not asked
+
+
+@pytest.mark.x64
+@pytest.mark.parametrize("case", ["paired", "non_hermitian", "real_mlp"])
+def test_quick_start_in_two_programs_agrees_with_one(monkeypatch, case):
+    """Past `SPLIT_FROM_WORK` a top-level call expands in one program, reads the
+    Hermitian shortcuts, and runs a recursion holding only their branches: the
+    results are those of the one program a `jit` compiles."""
+    from kdeqx.series import _series
+
+    if case == "paired":
+        series = question(jnp.float64, 20)
+    elif case == "non_hermitian":
+        hamiltonian, observable = non_hermitian_4x4(jnp.float64)
+        series = kdeqx.OperatorSeries(hamiltonian, observable, order=20)
+    else:
+        series = mlp_series(order=20, depth=2)
+    t = jnp.float64(0.4)
+    evaluations = [series, series.normalised, series.normalised_frexp]
+    # Inside `jit`: one program.
+    expected = [jax.jit(lambda t, f=f: f(t))(t) for f in evaluations]
+    split = []
+
+    def spy():
+        split.append(True)
+        return _series._terms_and_shortcuts_jitted()
+
+    monkeypatch.setattr(_series, "SPLIT_FROM_WORK", 0)
+    monkeypatch.setattr(_series, "_quick_terms", spy)
+    for evaluate, want in zip(evaluations, expected):
+        got = evaluate(t)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(a, b, rtol=1e-12, atol=0)
+    assert len(split) == 3
+    shortcuts = series.hermitian_shortcuts(t)
+    assert (
+        shortcuts
+        == {
+            "paired": (True, True),
+            "non_hermitian": (False, False),
+            "real_mlp": (True, True),
+        }[case]
+    )
 
 
 def test_size_of_array_and_callable_observables():

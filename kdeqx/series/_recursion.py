@@ -24,7 +24,7 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Complex, Int, Real
+from jaxtyping import Array, Bool, Complex, Inexact, Int, Real
 
 from .._backend import complex_factors, complex_product
 from ._points import (
@@ -88,19 +88,41 @@ PARTS_FROM = 64
 PARTS = 8
 
 
+def _real_sum_of_products(
+    real: Real[Array, "L n n"], x: Complex[Array, "L n n"], real_first: bool
+) -> Complex[Array, "n n"]:
+    """`sum_r real[r] @ x[r]` (or `x[r] @ real[r]`) for real matrices `real`: the real
+    and imaginary parts of `x` side by side, so one real product of twice the width,
+    two-thirds of the work of a complex product by Gauss's trick."""
+    n = x.shape[-1]
+    if real_first:
+        planes = jnp.concatenate([x.real, x.imag], axis=-1)
+        both = lax.dot_general(real, planes, _SUM_OF_PRODUCTS)
+        return lax.complex(both[:, :n], both[:, n:])
+    planes = jnp.concatenate([x.real, x.imag], axis=-2)
+    both = lax.dot_general(planes, real, _SUM_OF_PRODUCTS)
+    return lax.complex(both[:n], both[n:])
+
+
 class DenseTerms(eqx.Module):
     """A generator (or observable) given by its coefficients, `G(t + s) = sum_j G[j]
     s^j`, every coefficient its own matrix: the general path. Coefficient `m` of `G X`
-    is a sum of `L` products, `sum_i G[m - i] X[i]`."""
+    is a sum of `L` products, `sum_i G[m - i] X[i]`.
+
+    Real coefficients (by their dtype, as an MLP's output is) stay real, and their
+    products with the complex `X` take two real products instead of three."""
 
     reversed: Scaled
     reversed_factors: Array
+    real: bool = eqx.field(static=True)
 
     @staticmethod
-    def of(coefficients: Complex[Array, "terms n n"], length: int) -> "DenseTerms":
+    def of(coefficients: Inexact[Array, "terms n n"], length: int) -> "DenseTerms":
         padded = _padded(coefficients, length)
         reversed_ = Scaled.of(_reversed_and_padded(padded, axis=0))
-        return DenseTerms(reversed_, complex_factors(reversed_.mantissa))
+        real = not jnp.iscomplexobj(coefficients)
+        factors = reversed_.mantissa if real else complex_factors(reversed_.mantissa)
+        return DenseTerms(reversed_, factors, real)
 
     def product(
         self, x: Scaled, m: Int[Array, ""], factor: Array, generator_first: bool
@@ -134,6 +156,10 @@ class DenseTerms(eqx.Module):
         top = jnp.max(exponents)
         weights = powers_of_two(exponents - top, x.mantissa.real.dtype) * factor
         generator = _window(self.reversed_factors, m, axis=-3)[..., :rows, :, :]
+        if self.real:
+            weighted = x.mantissa * weights[:, None, None]
+            total = _real_sum_of_products(generator, weighted, generator_first)
+            return normalised(total, top)
         weighted = complex_factors(x.mantissa * weights[:, None, None])
         pair = (generator, weighted) if generator_first else (weighted, generator)
         return normalised(complex_product(*pair, _SUM_OF_PRODUCTS), top)
@@ -247,9 +273,14 @@ class FactoredTerms(eqx.Module):
     def product(
         self, x: Scaled, m: Int[Array, ""], factor: Array, generator_first: bool
     ) -> Scaled:
-        """`factor` times coefficient `m` of `G X` (or of `X G`)."""
+        """`factor` times coefficient `m` of `G X` (or of `X G`). A constant `G` (one
+        constant term, as a constant observable is) meets `X[m]` alone: no pass over
+        the other coefficients."""
         weights, top = self.weights(x, m, factor)
-        sums = jnp.tensordot(weights, x.mantissa, 1)
+        if self.constant_last and weights.shape[0] == 1:
+            sums = weights[:, m, None, None] * x.mantissa[m]
+        else:
+            sums = jnp.tensordot(weights, x.mantissa, 1)
         return self.finish(sums, top, generator_first)
 
 
@@ -311,7 +342,9 @@ def _propagators(
     imaginary planes, for their weighted sums, and `V` is kept as those alone.
     """
     length = order + 2
-    n, dtype = _matrices(observable).shape[-1], _matrices(observable).dtype
+    n = _matrices(observable).shape[-1]
+    # Real dense coefficients stay real; the propagators are complex.
+    dtype = jnp.promote_types(_matrices(observable).dtype, jnp.complex64)
     identity = Scaled(0.5 * jnp.eye(n, dtype=dtype), jnp.asarray(1, jnp.int32))
     start = zeros((length, n, n), dtype).with_row(jnp.asarray(0), identity)
     both_factored = isinstance(hamiltonian, FactoredTerms) and isinstance(
@@ -353,11 +386,17 @@ def _propagators(
         else:
             new_v = hamiltonian.product(v, m, -1j * step_factor, generator_first=True)
             new_p = observable.product(v, m, one, generator_first=True)
-        new_w = lax.cond(
-            unitary,
-            lambda: Scaled(adjoint(new_v.mantissa), new_v.exponent),
-            lambda: hamiltonian.product(w, m, 1j * step_factor, generator_first=False),
-        )
+
+        def inverse_by_adjoint():
+            return Scaled(adjoint(new_v.mantissa), new_v.exponent)
+
+        def inverse_by_products():
+            return hamiltonian.product(w, m, 1j * step_factor, generator_first=False)
+
+        if isinstance(unitary, bool):  # known in advance: one branch in the program
+            new_w = inverse_by_adjoint() if unitary else inverse_by_products()
+        else:
+            new_w = lax.cond(unitary, inverse_by_adjoint, inverse_by_products)
         if use_planes:
             new_planes = jnp.stack([new_v.mantissa.real, new_v.mantissa.imag])
             planes = lax.dynamic_update_index_in_dim(planes, new_planes, k, 0)
@@ -526,13 +565,23 @@ def _without_diagonal_shortcut(terms: Terms) -> Terms:
     return terms
 
 
+Shortcuts = tuple[bool, bool] | None
+
+
 def _coefficients(
-    hamiltonian: Terms, observable: Terms, order: int, fast: bool
+    hamiltonian: Terms,
+    observable: Terms,
+    order: int,
+    fast: bool,
+    shortcuts: Shortcuts = None,
 ) -> Scaled:
     """`X_k(t) / k!` for `k = 0..K` in scaled form, the coefficients of
-    `Y = V⁻¹ X_0 V = W P`; with `fast`, taking the [`hermitian_shortcuts`][] and
-    scaling by diagonal factored matrices where they hold."""
-    if fast:
+    `Y = V⁻¹ X_0 V = W P`; with `fast`, taking the [`hermitian_shortcuts`][] (checked
+    here unless given as `shortcuts`) and scaling by diagonal factored matrices where
+    they hold."""
+    if fast and shortcuts is not None:
+        unitary, paired = shortcuts
+    elif fast:
         unitary, paired = hermitian_shortcuts(hamiltonian, observable)
     else:
         unitary, paired = False, False
@@ -545,12 +594,14 @@ def _coefficients(
 
 
 @eqx.filter_custom_jvp
-def _fast_coefficients(hamiltonian: Terms, observable: Terms, order: int) -> Scaled:
-    return _coefficients(hamiltonian, observable, order, fast=True)
+def _fast_coefficients(
+    hamiltonian: Terms, observable: Terms, order: int, shortcuts: Shortcuts
+) -> Scaled:
+    return _coefficients(hamiltonian, observable, order, True, shortcuts)
 
 
 @_fast_coefficients.def_jvp
-def _general_tangents(primals, tangents, order):
+def _general_tangents(primals, tangents, order, shortcuts):
     # `W = V^H` holds on Hermitian generators, not off them, so its derivative
     # would miss the directions that leave them: derivatives take the general path.
     return eqx.filter_jvp(
@@ -559,7 +610,10 @@ def _general_tangents(primals, tangents, order):
 
 
 def heisenberg_coefficients(
-    hamiltonian: Terms, observable: Terms, order: int
+    hamiltonian: Terms,
+    observable: Terms,
+    order: int,
+    shortcuts: Shortcuts = None,
 ) -> Scaled:
     """`X_k(t) / k!` for `k = 0..K`, in scaled form: the coefficients of
     `Y = V⁻¹ X_0 V = W P`.
@@ -569,5 +623,9 @@ def heisenberg_coefficients(
     of the Cauchy product as adjoints, which halves it; diagonal factored matrices
     (from [`DIAGONAL_FROM`][] on) scale instead of multiplying. Derivatives are those
     of the general recursion, whatever the generator.
+
+    `shortcuts`: `(unitary, paired)` as Python bools, where the caller has already
+    checked them on these very terms (with [`hermitian_shortcuts`][]): the program
+    then holds only the branches they take, and compiles sooner.
     """
-    return _fast_coefficients(hamiltonian, observable, order=order)
+    return _fast_coefficients(hamiltonian, observable, order=order, shortcuts=shortcuts)
