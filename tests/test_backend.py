@@ -282,10 +282,12 @@ def test_quick_start_options_keep_only_the_options_this_jaxlib_knows(monkeypatch
     _backend.quick_start_options.cache_clear()
     try:
         known = _backend.quick_start_options()
+        unoptimised = _backend.quick_start_options(optimise=False)
     finally:
         _backend.quick_start_options.cache_clear()
-    expected = {"xla_backend_optimization_level": 1}
-    assert known == (expected if jax.default_backend() == "cpu" else {})
+    cpu = jax.default_backend() == "cpu"
+    assert known == ({"xla_backend_optimization_level": 1} if cpu else {})
+    assert unoptimised == ({"xla_backend_optimization_level": 0} if cpu else {})
 
 
 def test_outside_any_trace():

@@ -186,7 +186,8 @@ class FactoredTerms(eqx.Module):
     """A generator of the form `G(t + s) = sum_l c_l(s) M_l`: `J` scalar series times
     constant matrices (`H0 + cos(t) H1`, say). Coefficient `m` of `G X` is
     `sum_l M_l (sum_i c_l[m - i] X[i])`: sums weighted by scalars, then `J` products
-    with matrices prepared once."""
+    with matrices prepared once. Real matrices (by their dtype, as those of most spin
+    Hamiltonians are) stay real, and take two real products instead of three."""
 
     scalars: Scaled
     matrices: Scaled
@@ -194,11 +195,12 @@ class FactoredTerms(eqx.Module):
     diagonal: Bool[Array, ""] | bool
     real_scalars: bool = eqx.field(static=True)
     constant_last: bool = eqx.field(static=True)
+    real_matrices: bool = eqx.field(static=True)
 
     @staticmethod
     def of(
         scalars: Complex[Array, "J terms"],
-        matrices: Complex[Array, "J n n"],
+        matrices: Inexact[Array, "J n n"],
         length: int,
         real_scalars: bool = False,
         constant_last: bool = False,
@@ -209,13 +211,15 @@ class FactoredTerms(eqx.Module):
         series one, then zeros), whose sums then need no pass over `X`."""
         padded = _padded(scalars.T, length).T
         matrices_ = Scaled.of(matrices)
+        real = not jnp.iscomplexobj(matrices)
         return FactoredTerms(
             Scaled.of(_reversed_and_padded(padded, axis=1), core=0),
             matrices_,
-            complex_factors(matrices_.mantissa),
+            matrices_.mantissa if real else complex_factors(matrices_.mantissa),
             _all_diagonal(matrices) if matrices.shape[-1] >= DIAGONAL_FROM else False,
             real_scalars,
             constant_last,
+            real,
         )
 
     def hermitian(self) -> Bool[Array, ""]:
@@ -256,6 +260,8 @@ class FactoredTerms(eqx.Module):
         of the sums instead: no matrix products."""
 
         def by_products():
+            if self.real_matrices:
+                return _real_sum_of_products(self.matrix_factors, sums, generator_first)
             factors = complex_factors(sums)
             matrices = self.matrix_factors
             pair = (matrices, factors) if generator_first else (factors, matrices)

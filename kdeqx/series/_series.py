@@ -384,7 +384,7 @@ def _terms(expansion: _Expansion, dtype: Any, length: int) -> Terms:
         if _factored_terms(expansion, length) is not None:
             return FactoredTerms.of(
                 scalars.astype(dtype),
-                matrices.astype(dtype),
+                _in_precision(matrices, dtype),
                 length,
                 real_scalars=not jnp.iscomplexobj(scalars),
                 constant_last=expansion.constant_last,
@@ -392,11 +392,15 @@ def _terms(expansion: _Expansion, dtype: Any, length: int) -> Terms:
         coefficients = jnp.tensordot(scalars.T, matrices, axes=1)
     else:
         coefficients = lax.optimization_barrier(expansion)
-    if jnp.iscomplexobj(coefficients):
-        coefficients = coefficients.astype(dtype)
-    else:  # real coefficients stay real, in the matching precision
-        coefficients = coefficients.astype(jnp.finfo(dtype).dtype)
-    return DenseTerms.of(coefficients, length)
+    return DenseTerms.of(_in_precision(coefficients, dtype), length)
+
+
+def _in_precision(matrices: Array, dtype: Any) -> Array:
+    """`matrices` in the precision of the complex `dtype`, staying real if they are:
+    real matrices take two real products where complex ones take three."""
+    if jnp.iscomplexobj(matrices):
+        return matrices.astype(dtype)
+    return matrices.astype(jnp.finfo(dtype).dtype)
 
 
 def _expansions(
