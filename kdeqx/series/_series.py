@@ -88,6 +88,7 @@ SPLIT_FROM_WORK = 2**22
 
 
 def _splitting_pays(series: "OperatorSeries") -> bool:
+    """Whether a quick start is split in two programs: from [`SPLIT_FROM_WORK`][]."""
     assert series.size is not None
     return (series.order + 1) ** 2 * series.size**3 >= SPLIT_FROM_WORK
 
@@ -118,15 +119,10 @@ def _jit(finish: Finish) -> Callable:
     plain = eqx.filter_jit(whole)
 
     @ft.cache
-    def quick() -> Callable:
+    def quick(fn: Callable) -> Callable:
         # `filter_jit` passes keywords on to `jax.jit`; its overloads omit them.
         options = quick_start_options()
-        return eqx.filter_jit(recursion, compiler_options=options)  # pyright: ignore
-
-    @ft.cache
-    def quick_whole() -> Callable:
-        options = quick_start_options()
-        return eqx.filter_jit(whole, compiler_options=options)  # pyright: ignore
+        return eqx.filter_jit(fn, compiler_options=options)  # pyright: ignore
 
     @ft.wraps(finish)
     def call(series: "OperatorSeries", t: Real[Array, ""]):
@@ -134,10 +130,10 @@ def _jit(finish: Finish) -> Callable:
         small = size is not None and size <= QUICK_START_UP_TO
         if small and outside_any_trace() and quick_start_options():
             if not _splitting_pays(series):
-                return quick_whole()(series, t)
+                return quick(whole)(series, t)
             hamiltonian, observable, unitary, paired = _quick_terms()(series, t)
             shortcuts = (bool(unitary), bool(paired))
-            return quick()(hamiltonian, observable, series.order, shortcuts)
+            return quick(recursion)(hamiltonian, observable, series.order, shortcuts)
         return plain(series, t)
 
     return call
@@ -441,16 +437,14 @@ def _terms_and_shortcuts(
 
 
 @ft.cache
-def _terms_and_shortcuts_jitted() -> Callable:
+def _quick_terms() -> Callable:
+    """[`_terms_and_shortcuts`][] compiled unoptimised, the first program of a split
+    quick start."""
     options = quick_start_options(optimise=False)
     return eqx.filter_jit(
         _terms_and_shortcuts,
         compiler_options=options,  # pyright: ignore
     )
-
-
-def _quick_terms() -> Callable:
-    return _terms_and_shortcuts_jitted()
 
 
 @_jit
