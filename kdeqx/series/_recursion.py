@@ -104,6 +104,24 @@ def _real_sum_of_products(
     return lax.complex(both[:n], both[n:])
 
 
+def _prepared(matrices: Inexact[Array, "L n n"]) -> Array:
+    """Matrices that take part in many products: real ones as they are, complex ones
+    as [`kdeqx._backend.complex_factors`][]."""
+    return matrices if not jnp.iscomplexobj(matrices) else complex_factors(matrices)
+
+
+def _sum_of_products(
+    prepared: Array, x: Complex[Array, "L n n"], real: bool, prepared_first: bool
+) -> Complex[Array, "n n"]:
+    """`sum_r M[r] @ x[r]` (or `x[r] @ M[r]`) for matrices `M` given by
+    [`_prepared`][] (`real`: whether they were real)."""
+    if real:
+        return _real_sum_of_products(prepared, x, prepared_first)
+    factors = complex_factors(x)
+    pair = (prepared, factors) if prepared_first else (factors, prepared)
+    return complex_product(*pair, _SUM_OF_PRODUCTS)
+
+
 class DenseTerms(eqx.Module):
     """A generator (or observable) given by its coefficients, `G(t + s) = sum_j G[j]
     s^j`, every coefficient its own matrix: the general path. Coefficient `m` of `G X`
@@ -114,15 +132,14 @@ class DenseTerms(eqx.Module):
 
     reversed: Scaled
     reversed_factors: Array
-    real: bool = eqx.field(static=True)
+    real_coefficients: bool = eqx.field(static=True)
 
     @staticmethod
     def of(coefficients: Inexact[Array, "terms n n"], length: int) -> "DenseTerms":
         padded = _padded(coefficients, length)
         reversed_ = Scaled.of(_reversed_and_padded(padded, axis=0))
         real = not jnp.iscomplexobj(coefficients)
-        factors = reversed_.mantissa if real else complex_factors(reversed_.mantissa)
-        return DenseTerms(reversed_, factors, real)
+        return DenseTerms(reversed_, _prepared(reversed_.mantissa), real)
 
     def product(
         self, x: Scaled, m: Int[Array, ""], factor: Array, generator_first: bool
@@ -156,13 +173,11 @@ class DenseTerms(eqx.Module):
         top = jnp.max(exponents)
         weights = powers_of_two(exponents - top, x.mantissa.real.dtype) * factor
         generator = _window(self.reversed_factors, m, axis=-3)[..., :rows, :, :]
-        if self.real:
-            weighted = x.mantissa * weights[:, None, None]
-            total = _real_sum_of_products(generator, weighted, generator_first)
-            return normalised(total, top)
-        weighted = complex_factors(x.mantissa * weights[:, None, None])
-        pair = (generator, weighted) if generator_first else (weighted, generator)
-        return normalised(complex_product(*pair, _SUM_OF_PRODUCTS), top)
+        weighted = x.mantissa * weights[:, None, None]
+        total = _sum_of_products(
+            generator, weighted, self.real_coefficients, generator_first
+        )
+        return normalised(total, top)
 
     def hermitian(self) -> Bool[Array, ""]:
         """Whether every coefficient is exactly Hermitian: `G(t + s)` is, for real
@@ -215,7 +230,7 @@ class FactoredTerms(eqx.Module):
         return FactoredTerms(
             Scaled.of(_reversed_and_padded(padded, axis=1), core=0),
             matrices_,
-            matrices_.mantissa if real else complex_factors(matrices_.mantissa),
+            _prepared(matrices_.mantissa),
             _all_diagonal(matrices) if matrices.shape[-1] >= DIAGONAL_FROM else False,
             real_scalars,
             constant_last,
@@ -260,12 +275,9 @@ class FactoredTerms(eqx.Module):
         of the sums instead: no matrix products."""
 
         def by_products():
-            if self.real_matrices:
-                return _real_sum_of_products(self.matrix_factors, sums, generator_first)
-            factors = complex_factors(sums)
-            matrices = self.matrix_factors
-            pair = (matrices, factors) if generator_first else (factors, matrices)
-            return complex_product(*pair, _SUM_OF_PRODUCTS)
+            return _sum_of_products(
+                self.matrix_factors, sums, self.real_matrices, generator_first
+            )
 
         def by_diagonals():
             diagonals = jnp.diagonal(self.matrices.mantissa, axis1=-2, axis2=-1)
@@ -279,12 +291,14 @@ class FactoredTerms(eqx.Module):
     def product(
         self, x: Scaled, m: Int[Array, ""], factor: Array, generator_first: bool
     ) -> Scaled:
-        """`factor` times coefficient `m` of `G X` (or of `X G`). A constant `G` (one
-        constant term, as a constant observable is) meets `X[m]` alone: no pass over
-        the other coefficients."""
+        """`factor` times coefficient `m` of `G X` (or of `X G`). A constant last term
+        (`H0`, or a constant observable's only one) meets `X[m]` alone: its sum needs
+        no pass over the other coefficients."""
         weights, top = self.weights(x, m, factor)
-        if self.constant_last and weights.shape[0] == 1:
-            sums = weights[:, m, None, None] * x.mantissa[m]
+        if self.constant_last:
+            others = jnp.tensordot(weights[:-1], x.mantissa, 1)
+            constant = weights[-1:, m, None, None] * x.mantissa[m]
+            sums = jnp.concatenate([others, constant])
         else:
             sums = jnp.tensordot(weights, x.mantissa, 1)
         return self.finish(sums, top, generator_first)
