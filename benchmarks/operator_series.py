@@ -23,9 +23,10 @@ Sections 1-4 use the question's problem, H = cos(t) sy, X_0 = sx, t = 1.
    (`factored=False`) and its largest difference from the factored one; and the lower
    bound, K commutators `1j * (H0 @ X - X @ H0)` with the constant H0 in one jitted
    `lax.scan`. Then an MLP generator with no factored form (its output is the
-   matrix), n <= 256. A measurement whose time, extrapolated as K^2 from the previous
-   order at the same n, exceeds `--budget` seconds (`--factored-budget` for the
-   factored path) is skipped and says so; one that takes over 20 s is run once.
+   matrix), against the same bound. A measurement whose time, extrapolated as K^2
+   from the previous order at the same n, exceeds `--budget` seconds
+   (`--factored-budget` for the factored path) is skipped and says so; one that
+   takes over 20 s is run once.
 6. Section 5's driven series and its bound timed alternately, `--repeats` times each,
    best of each: the run/bound ratio without the drift between separate runs.
 7. Section 5's driven series with its Cauchy product computed directly (`O(K^2)`
@@ -439,9 +440,14 @@ def physics_sizes(args):
         "\nMLP generator with no factored form (H = sym(reshape(MLP(t)))/n, width 32, "
         "depth 2, tanh), X_0 diagonal"
     )
-    print(f"{'n':>5} {'K':>4} {'terms':>12} {'first [s]':>10} {'run [s]':>9}")
-    for n in [n for n in args.sizes if n <= 256]:
+    print(
+        f"{'n':>5} {'K':>4} {'terms':>12} {'first [s]':>10} {'run [s]':>9} "
+        f"{'bound [s]':>10} {'run/bound':>10}"
+    )
+    for n in args.sizes:
         generator, x0 = mlp_problem(n)
+        h0 = driven_problem(n)[0]
+        bound = jax.jit(commutators, static_argnums=2)
         for order in args.orders:
             if not budget.allows(("mlp", n), order):
                 estimate = budget.estimate(("mlp", n), order)
@@ -453,8 +459,12 @@ def physics_sizes(args):
             _, first = timed(lambda: series.normalised(t))
             _, run, _ = steady(lambda: series.normalised(t), args.repeats)
             budget.record(("mlp", n), order, run)
+            _, bound_run, _ = steady(lambda: bound(h0, x0, order), args.repeats)
             terms = str(series.factored_terms())
-            print(f"{n:>5} {order:>4} {terms:>12} {first:>10.3f} {run:>9.4g}")
+            print(
+                f"{n:>5} {order:>4} {terms:>12} {first:>10.3f} {run:>9.4g} "
+                f"{bound_run:>10.4g} {run / bound_run:>10.1f}"
+            )
 
 
 def interleaved_ratios(args):
