@@ -247,7 +247,11 @@ class _Steps(eqx.Module):
         return near, far, jnp.minimum(d2_left, d2_right), jnp.maximum(d2_left, d2_right)
 
     def nearest_leaf(self, x):
-        """The first leaf of a walk from the root: near children all the way down."""
+        """The first leaf of a walk from the root: near children all the way down.
+
+        A walk climbs from it taking each child it comes from for the near one, so
+        this must choose as `move` does, to the last bit (see `sum_by_additions`).
+        """
         depth = self.tree.num_leaves.bit_length() - 1
 
         def down(_, node):
