@@ -132,14 +132,17 @@ class DenseTerms(eqx.Module):
 
     reversed: Scaled
     reversed_factors: Array
-    real_coefficients: bool = eqx.field(static=True)
 
     @staticmethod
     def of(coefficients: Inexact[Array, "terms n n"], length: int) -> "DenseTerms":
         padded = _padded(coefficients, length)
         reversed_ = Scaled.of(_reversed_and_padded(padded, axis=0))
-        real = not jnp.iscomplexobj(coefficients)
-        return DenseTerms(reversed_, _prepared(reversed_.mantissa), real)
+        return DenseTerms(reversed_, _prepared(reversed_.mantissa))
+
+    @property
+    def real_coefficients(self) -> bool:
+        """Whether the coefficients are real by their dtype (an MLP's are)."""
+        return not jnp.iscomplexobj(self.reversed.mantissa)
 
     def product(
         self, x: Scaled, m: Int[Array, ""], factor: Array, generator_first: bool
@@ -210,7 +213,6 @@ class FactoredTerms(eqx.Module):
     diagonal: Bool[Array, ""] | bool
     real_scalars: bool = eqx.field(static=True)
     constant_last: bool = eqx.field(static=True)
-    real_matrices: bool = eqx.field(static=True)
 
     @staticmethod
     def of(
@@ -226,7 +228,6 @@ class FactoredTerms(eqx.Module):
         series one, then zeros), whose sums then need no pass over `X`."""
         padded = _padded(scalars.T, length).T
         matrices_ = Scaled.of(matrices)
-        real = not jnp.iscomplexobj(matrices)
         return FactoredTerms(
             Scaled.of(_reversed_and_padded(padded, axis=1), core=0),
             matrices_,
@@ -234,8 +235,12 @@ class FactoredTerms(eqx.Module):
             _all_diagonal(matrices) if matrices.shape[-1] >= DIAGONAL_FROM else False,
             real_scalars,
             constant_last,
-            real,
         )
+
+    @property
+    def real_matrices(self) -> bool:
+        """Whether the constant matrices are real by their dtype."""
+        return not jnp.iscomplexobj(self.matrices.mantissa)
 
     def hermitian(self) -> Bool[Array, ""]:
         """Whether `G(t + s)` is exactly Hermitian for real `s`: Hermitian matrices
