@@ -444,10 +444,10 @@ def physics_sizes(args):
         f"{'n':>5} {'K':>4} {'terms':>12} {'first [s]':>10} {'run [s]':>9} "
         f"{'bound [s]':>10} {'run/bound':>10}"
     )
+    bound = jax.jit(commutators, static_argnums=2)
     for n in args.sizes:
         generator, x0 = mlp_problem(n)
         h0 = driven_problem(n)[0]
-        bound = jax.jit(commutators, static_argnums=2)
         for order in args.orders:
             if not budget.allows(("mlp", n), order):
                 estimate = budget.estimate(("mlp", n), order)
