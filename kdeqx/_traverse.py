@@ -1,9 +1,9 @@
-"""The one traversal engine: a stackless, near-child-first walk in `lax.while_loop`s.
+"""The one traversal engine: a stackless depth-first walk in `lax.while_loop`s.
 
-Every query kind is a small visitor on this engine. The walk needs no stack: in the
-heap layout a node's parent is `(i - 1) // 2`, so remembering the previous node tells
-whether the walk came down from the parent or up from a child, and which child is
-"near" is recomputed from the children's bounding boxes.
+Every query kind is a small visitor on this engine. The walk needs no stack: it
+tests one node per step, descends into the child on the query's side of the node's
+split plane first, and skips a finished or pruned subtree in one step, to the next
+node of the depth-first order, with one bit per level of the path (`_Steps`).
 
 Many queries are walked by a fixed set of lanes (`walk_many`). A vmapped loop costs its
 slowest lane, so a lane whose query is finished takes its next one at once, instead of
@@ -191,13 +191,25 @@ def far_limit(dtype, d: int, metric: Minkowski) -> float:
 
 
 class _Steps(eqx.Module):
-    """The two moves of a walk for one query, on the tree's search arrays."""
+    """The steps of a walk for one query, on the tree's search arrays.
+
+    The walk is a depth-first one along "ropes": it tests one node per step and
+    either descends into the node's first child or skips the node's whole subtree
+    at once. A node's first child is the one on the query's side of the plane
+    between its two children, so the order needs no memory of the path beyond one
+    bit per level, `seconds`: bit `i` is set when the node `i` levels above the
+    current one (the current one is `i = 0`) is its parent's second child. Skipping
+    a subtree climbs past every level whose bit is set, then steps over to the
+    sibling, in a few integer operations (`skip`).
+    """
 
     tree: "KDTree"
     period: Float[Array, " d"] | None
     metric: Minkowski
     prune_factor: Float[Array, ""] | None
     node_keys: Int[Array, " nodes"]
+    split_dims: Int[Array, " splits"]
+    split_values: Float[Array, " splits"]
 
     def __init__(self, tree, metric: Minkowski, node_keys=None):
         self.tree = lax.stop_gradient(tree)
@@ -207,6 +219,9 @@ class _Steps(eqx.Module):
         self.metric = metric
         self.prune_factor = metric.prunes_by(scale.dtype)
         self.node_keys = self.tree.node_min_index if node_keys is None else node_keys
+        self.split_dims, self.split_values = _split_planes(
+            self.tree.node_lo, self.tree.node_hi
+        )
 
     @property
     def first_leaf(self) -> int:
@@ -225,71 +240,93 @@ class _Steps(eqx.Module):
     def is_internal(self, node: Int[Array, "*lanes"]) -> Bool[Array, "*lanes"]:
         return (node >= 0) & (node < self.first_leaf)
 
-    def children(self, x, node, by_additions: bool = False):
-        """The children of `node` as `(near, far)` with their powered box distances;
-        the left child is near when the two tie."""
-        tree = self.tree
-        left = 2 * node + 1
-        right = left + 1
-        d2_left, d2_right = (
-            self.metric.box_lower_bound(
-                x,
-                gather_clamped(tree.node_lo, child),
-                gather_clamped(tree.node_hi, child),
-                self.period,
-                by_additions,
-            )
-            for child in (left, right)
-        )
-        left_is_near = d2_left <= d2_right
-        near = jnp.where(left_is_near, left, right)
-        far = jnp.where(left_is_near, right, left)
-        return near, far, jnp.minimum(d2_left, d2_right), jnp.maximum(d2_left, d2_right)
+    def first_child(self, x: Query, node: Int[Array, ""]) -> Int[Array, ""]:
+        """The child of internal `node` on `x`'s side of its split plane (a block's
+        side is its centre's): the walk enters it first."""
+        point = x.anchor if isinstance(x, Block) else x
+        dim = gather_clamped(self.split_dims, node)
+        coordinate = point[0]
+        for axis in range(1, point.shape[-1]):
+            coordinate = jnp.where(dim == axis, point[axis], coordinate)
+        beyond = coordinate > gather_clamped(self.split_values, node)
+        return 2 * node + 1 + beyond.astype(node.dtype)
 
-    def nearest_leaf(self, x):
-        """The first leaf of a walk from the root: near children all the way down.
-
-        A walk climbs from it taking each child it comes from for the near one, so
-        this must choose as `move` does, to the last bit (see `sum_by_additions`).
-        """
+    def start_leaf(self, x: Query) -> Int[Array, ""]:
+        """The first leaf of a walk: first children all the way down from the root,
+        so every bit of its `seconds` is clear."""
         depth = self.tree.num_leaves.bit_length() - 1
 
         def down(_, node):
-            # Run for all queries at once: see `sum_of_squares`.
-            return self.children(x, node, by_additions=True)[0]
+            return self.first_child(x, node)
 
         return lax.fori_loop(
             0, depth, down, jnp.zeros((), self.tree.leaf_indices.dtype)
         )
 
-    def move(self, x, visitor, state, node, previous):
-        """One step from an internal node: down to a child, or back up to the parent.
+    def skip(
+        self, node: Int[Array, ""], seconds: UInt[Array, ""]
+    ) -> tuple[Int[Array, ""], UInt[Array, ""]]:
+        """The walk's next node after `node`'s subtree, and its `seconds`: `-1` when
+        the walk is over.
 
-        Returns the new `(node, previous)`; a lane at a leaf or done stays put.
+        In the heap numbered from 1 (`v = node + 1`) the parent of `v` is `v >> 1`
+        and its sibling `v ^ 1`. The walk climbs as many levels as `seconds` has
+        trailing ones (every subtree there is finished), then takes the sibling,
+        which is a second child. At the root it is done.
         """
-        keys = self.node_keys
-        parent = (node - 1) >> 1  # the root's parent is -1: the walk is over
-        near, far, near_d2, far_d2 = self.children(x, node)
-        if self.prune_factor is not None:  # scipy's `eps`: skip nearly-far subtrees
-            near_d2, far_d2 = near_d2 * self.prune_factor, far_d2 * self.prune_factor
-        visit_near = visitor.should_visit(state, near_d2, gather_clamped(keys, near))
-        visit_far = visitor.should_visit(state, far_d2, gather_clamped(keys, far))
-        after_parent = jnp.where(visit_near, near, jnp.where(visit_far, far, parent))
-        after_near = jnp.where(visit_far, far, parent)
-        following = jnp.where(
-            previous == parent,
-            after_parent,
-            jnp.where(previous == near, after_near, parent),
+        lowest_clear = ~seconds & (seconds + 1)
+        # log2 of a power of two, from its float32 exponent (exact, and vectorised
+        # where `lax.clz` is not).
+        as_float = lowest_clear.astype(jnp.float32)
+        climb = (lax.bitcast_convert_type(as_float, jnp.uint32) >> 23) - 127
+        up = (node + 1) >> climb.astype(node.dtype)
+        following = jnp.where(up == 1, -1, (up ^ 1) - 1)
+        return following.astype(node.dtype), (seconds >> climb) | 1
+
+    def move(self, x, visitor, state, node, seconds, waiting):
+        """One step: tests `node`, then descends to its first child, stops at it (a
+        leaf to visit: `waiting`), or skips its subtree. A lane that waits at a leaf
+        or is done stays put. Returns the new `(node, seconds, waiting)`."""
+        tree = self.tree
+        box_d2 = self.metric.box_lower_bound(
+            x,
+            gather_clamped(tree.node_lo, node),
+            gather_clamped(tree.node_hi, node),
+            self.period,
         )
+        if self.prune_factor is not None:  # scipy's `eps`: skip nearly-far subtrees
+            box_d2 = box_d2 * self.prune_factor
+        key = gather_clamped(self.node_keys, node)
+        visit = visitor.should_visit(state, box_d2, key)
         internal = self.is_internal(node)
-        return jnp.where(internal, following, node), jnp.where(internal, node, previous)
+        descend = visit & internal
+        skipped, skipped_seconds = self.skip(node, seconds)
+        following = jnp.where(
+            descend, self.first_child(x, node), jnp.where(visit, node, skipped)
+        )
+        following_seconds = jnp.where(
+            descend, seconds << 1, jnp.where(visit, seconds, skipped_seconds)
+        )
+        moving = (node >= 0) & ~waiting
+        return (
+            jnp.where(moving, following, node),
+            jnp.where(moving, following_seconds, seconds),
+            waiting | (moving & visit & ~internal),
+        )
+
+    def leave(self, node, seconds, waiting):
+        """After a visit: lanes that waited at a leaf skip past it."""
+        skipped, skipped_seconds = self.skip(node, seconds)
+        return (
+            jnp.where(waiting, skipped, node),
+            jnp.where(waiting, skipped_seconds, seconds),
+            jnp.zeros_like(waiting),
+        )
 
     def leaf_entries(self, x, node):
         """The powered distances and indices of leaf `node`'s points (padding slots
-        `(inf, n)`), whether `node` is a leaf, which leaf (clamped) and the walk's
-        position after it."""
+        `(inf, n)`) and which leaf it is (clamped: any other node reads some leaf)."""
         tree = self.tree
-        at_leaf = node >= self.first_leaf
         leaf = jnp.clip(node - self.first_leaf, 0, tree.num_leaves - 1)
         start = leaf * tree.leaf_size
         points = lax.dynamic_slice_in_dim(tree.leaf_points, start, tree.leaf_size)
@@ -299,27 +336,50 @@ class _Steps(eqx.Module):
             self.metric.leaf_distances(x, points, self.period),
             jnp.inf,
         )
-        after = jnp.where(at_leaf, (node - 1) >> 1, node)
-        return d2, indices, at_leaf, leaf, after
+        return d2, indices, leaf
 
-    def visit(self, x, visitor, state, node):
-        """Folds the points of leaf `node` into the state; any other node changes
-        nothing. Returns the state, the walk's position after the leaf and the
+    def visit(self, x, visitor, state, node, waiting):
+        """Folds the points of leaf `node` into the state where the lane is
+        `waiting` there; otherwise changes nothing. Returns the state and the
         records the leaf emits (`None` if the visitor emits none)."""
-        d2, indices, at_leaf, leaf, after = self.leaf_entries(x, node)
+        d2, indices, leaf = self.leaf_entries(x, node)
         visited = visitor.visit_leaf(state, d2, indices)
-        state = jax.tree.map(lambda v, s: jnp.where(at_leaf, v, s), visited, state)
+        state = jax.tree.map(lambda v, s: jnp.where(waiting, v, s), visited, state)
         emitted = visitor.leaf_records(d2, indices, leaf)
         if emitted is not None:
             emits, records, weights = emitted
             if weights is not None:
-                weights = jnp.where(at_leaf, weights, 0)
-            emitted = (emits & at_leaf, records, weights)
-        return state, after, emitted
+                weights = jnp.where(waiting, weights, 0)
+            emitted = (emits & waiting, records, weights)
+        return state, emitted
+
+
+def _split_planes(
+    lo: Float[Array, "nodes d"], hi: Float[Array, "nodes d"]
+) -> tuple[Int[Array, " splits"], Float[Array, " splits"]]:
+    """Per internal node, a plane between its two children: the dimension along
+    which the right child's box starts furthest past the left child's end, at the
+    middle of that gap.
+
+    The build splits at a median, so along the split dimension the two boxes do not
+    overlap. The plane only orders the walk: any plane gives the same answers. An
+    empty right child (padding) gives an infinite plane, so queries take the left
+    one first. One entry more than there are internal nodes, so that a tree of one
+    leaf has something to gather.
+    """
+    left_hi, right_lo = hi[1::2], lo[2::2]
+    gap = right_lo - left_hi
+    dims = jnp.argmax(gap, axis=1).astype(jnp.int32)
+    middle = (jnp.take_along_axis(right_lo + left_hi, dims[:, None], axis=1)[:, 0]) / 2
+    return (
+        jnp.append(dims, jnp.zeros((1,), dims.dtype)),
+        jnp.append(middle, jnp.zeros((1,), middle.dtype)),
+    )
 
 
 def walk(tree, x: Query, visitor: AbstractVisitor, metric: Minkowski) -> _State:
-    """Runs `visitor` over every leaf it does not prune, nearest subtrees first.
+    """Runs `visitor` over every leaf it does not prune, depth first from the leaf
+    whose cell holds `x`.
 
     The visitor sees `metric`'s powered distances in the tree's search coordinates,
     which are scaled by `tree.scale`: express its thresholds with
@@ -330,20 +390,24 @@ def walk(tree, x: Query, visitor: AbstractVisitor, metric: Minkowski) -> _State:
 
     def to_next_leaf(carry):
         def move(c):
-            node, previous, state = c
-            return (*steps.move(x, visitor, state, node, previous), state)
+            node, seconds, waiting, state = c
+            return (*steps.move(x, visitor, state, node, seconds, waiting), state)
 
-        return lax.while_loop(lambda c: steps.is_internal(c[0]), move, carry)
+        return lax.while_loop(lambda c: (c[0] >= 0) & ~c[2], move, carry)
 
     def visit_then_move_on(carry):
-        node, _, state = carry
-        state, parent, _ = steps.visit(x, visitor, state, node)
-        return to_next_leaf((parent, node, state))
+        node, seconds, waiting, state = carry
+        state, _ = steps.visit(x, visitor, state, node, waiting)
+        return to_next_leaf((*steps.leave(node, seconds, waiting), state))
 
-    index_dtype = tree.leaf_indices.dtype
-    root = (jnp.array(0, index_dtype), jnp.array(-1, index_dtype), visitor.init())
-    walked = lax.while_loop(lambda c: c[0] >= 0, visit_then_move_on, to_next_leaf(root))
-    return walked[2]
+    start = (
+        steps.start_leaf(x),
+        jnp.zeros((), jnp.uint32),
+        jnp.ones((), bool),
+        visitor.init(),
+    )
+    walked = lax.while_loop(lambda c: c[0] >= 0, visit_then_move_on, start)
+    return walked[3]
 
 
 def morton_codes(
@@ -438,10 +502,11 @@ def walk_many(
     lanes = min(lanes, q)
     steps_per_visit = step_cap()
     steps = _Steps(tree, metric, node_keys)
-    move = jax.vmap(steps.move, in_axes=(0, visitor_axis, 0, 0, 0))
-    visit = jax.vmap(steps.visit, in_axes=(0, visitor_axis, 0, 0))
+    move = jax.vmap(steps.move, in_axes=(0, visitor_axis, 0, 0, 0, 0))
+    visit = jax.vmap(steps.visit, in_axes=(0, visitor_axis, 0, 0, 0))
+    leave = jax.vmap(steps.leave)
 
-    def advance(x, visitor, state, node, previous):
+    def advance(x, visitor, state, node, seconds, waiting):
         """Moves every lane `steps_per_visit` steps towards its next leaf (lanes that
         reach it wait there). Nearly always some lane needs them all, so the loop does
         not test for an early end."""
@@ -449,7 +514,7 @@ def walk_many(
         def one_step(_, c):
             return move(x, visitor, state, *c)
 
-        return lax.fori_loop(0, steps_per_visit, one_step, (node, previous))
+        return lax.fori_loop(0, steps_per_visit, one_step, (node, seconds, waiting))
 
     points = jax.vmap(steps.search_point)(x)
     # Position `i` along the curve is row `order[i]` of the input.
@@ -464,24 +529,26 @@ def walk_many(
     points = _rows(points, order)
     if visitor_axis is not None:
         visitors = _rows(visitors, order)
-    # Every walk starts at its nearest leaf, found for all queries at once. The walk
-    # from the root would stop on the way there only where the visitor prunes, and
-    # visiting a leaf it would prune changes no state.
-    first_node = jax.vmap(steps.nearest_leaf)(points)
+    # Every walk starts at the leaf whose cell holds its query, found for all
+    # queries at once. The walk from the root would stop on the way there only where
+    # the visitor prunes, and visiting a leaf it would prune changes no state.
+    first_node = jax.vmap(steps.start_leaf)(points)
 
-    def take_next(position, finished, node, state):
+    def take_next(position, finished, walker, state):
         """Lanes that finished start their next query, at `position` along the curve,
         or go idle when they have none left."""
-        node = jnp.where(
-            finished,
-            jnp.where(position < walked, gather_clamped(first_node, position), _IDLE),
-            node,
+        node, seconds, waiting = walker
+        fresh_node = jnp.where(
+            position < walked, gather_clamped(first_node, position), _IDLE
         )
+        node = jnp.where(finished, fresh_node, node)
+        seconds = jnp.where(finished, 0, seconds)
+        waiting = jnp.where(finished, node >= 0, waiting)
         fresh = init(position)
         state = jax.tree.map(
             lambda f, s: jnp.where(_along(finished, s), f, s), fresh, state
         )
-        return node, state
+        return (node, seconds, waiting), state
 
     def finish(out, finished, position, state):
         """The answers with those of the lanes that `finished` written (or added)."""
@@ -499,7 +566,7 @@ def walk_many(
     per_visit = visitors.leaves_per_visit(tree.leaf_size)
     assert per_visit == 1 or sink is None, "emitting visitors visit leaf by leaf"
 
-    def visit_several(x, visitor, state, node, previous):
+    def visit_several(x, visitor, state, walker):
         """Each lane's next `per_visit` leaves, gathered while the walk moves on with
         the state as it was, then folded in at once: for the k nearest, one merge
         of several leaves costs about what one leaf's did (k = 512: the 9 stages of
@@ -511,62 +578,56 @@ def walk_many(
         )
 
         def gather(r, carry):
-            node, previous, d2s, indices = carry
-            d2, index, at_leaf, _, after = entries(x, node)
-            # A lane not at a leaf contributes padding, which changes no state.
-            padding = ~at_leaf[:, None]
+            walker, d2s, indices = carry
+            node, _, waiting = walker
+            d2, index, _ = entries(x, node)
+            # A lane not waiting at a leaf contributes padding: it changes no state.
+            padding = ~waiting[:, None]
             d2s = lax.dynamic_update_slice_in_dim(
                 d2s, jnp.where(padding, jnp.inf, d2), r * size, axis=1
             )
             indices = lax.dynamic_update_slice_in_dim(
                 indices, jnp.where(padding, tree.n, index), r * size, axis=1
             )
-            previous = jnp.where(at_leaf, node, previous)
-            node, previous = advance(x, visitor, state, after, previous)
-            return node, previous, d2s, indices
+            walker = advance(x, visitor, state, *leave(*walker))
+            return walker, d2s, indices
 
-        shape = (node.shape[0], per_visit * size)
+        shape = (walker[0].shape[0], per_visit * size)
         empty = (
             jnp.full(shape, jnp.inf, steps.tree.leaf_points.dtype),
             jnp.full(shape, tree.n, index_dtype),
         )
-        node, previous, d2, index = lax.fori_loop(
-            0, per_visit, gather, (node, previous, *empty)
-        )
-        return fold(visitor, state, d2, index), node, previous
+        walker, d2, index = lax.fori_loop(0, per_visit, gather, (walker, *empty))
+        return fold(visitor, state, d2, index), walker
 
     def step(carry):
-        position, node, previous, state, out, sink = carry
+        position, walker, state, out, sink = carry
         xl, visitor = _rows(points, position), visitors_at(position)
         if per_visit > 1:
-            state, node, previous = visit_several(xl, visitor, state, node, previous)
+            state, walker = visit_several(xl, visitor, state, walker)
         else:
-            state, node_after, emitted = visit(xl, visitor, state, node)
+            node, _, waiting = walker
+            state, emitted = visit(xl, visitor, state, node, waiting)
             if sink is not None:
                 assert emitted is not None, "a walk with a sink needs emitting visitors"
                 sink = sink.appended(*emitted)
-            previous = jnp.where(node >= steps.first_leaf, node, previous)
-            node, previous = advance(xl, visitor, state, node_after, previous)
-        finished = node == -1
+            walker = advance(xl, visitor, state, *leave(*walker))
+        finished = walker[0] == -1
         out = finish(out, finished, position, state)
         position = jnp.where(finished, position + lanes, position)
-        node, state = take_next(position, finished, node, state)
-        return position, node, previous, state, out, sink
+        walker, state = take_next(position, finished, walker, state)
+        return position, walker, state, out, sink
 
     lane = jnp.arange(lanes, dtype=index_dtype)
     if summed:
         answers = _sum_over_queries(init(lane[:1]))
     else:  # by input row; every row is written once
         answers = init(jnp.arange(q, dtype=index_dtype))
-    carry = (
-        lane,
-        jnp.where(lane < walked, first_node[:lanes], _IDLE),
-        jnp.full(lanes, -1, index_dtype),
-        init(lane),
-        answers,
-        sink,
-    )
-    _, _, _, _, answers, sink = lax.while_loop(
+    # Each lane's walker: `(node, seconds, waiting)`, as `_Steps.move` takes them.
+    start = jnp.where(lane < walked, first_node[:lanes], _IDLE)
+    walker = (start, jnp.zeros(lanes, jnp.uint32), start >= 0)
+    carry = (lane, walker, init(lane), answers, sink)
+    _, _, _, answers, sink = lax.while_loop(
         lambda c: jnp.min(c[0]) < walked, step, carry
     )
     return answers, sink
