@@ -31,7 +31,7 @@ import kdeqx
 from kdeqx._backend import CPU_STEPS, gather_clamped, lexicographic_less
 from kdeqx._knn import _KNearest
 from kdeqx._metric import EUCLIDEAN
-from kdeqx._traverse import _Steps
+from kdeqx._traverse import _FAR, _Steps
 
 
 class Boxes:
@@ -69,9 +69,18 @@ class Boxes:
             node = self.children(q, node)[0]
         return node
 
-    def first_child(self, q, node):
-        """The child on `q`'s side of the plane the engine orders them by."""
+    def first_child(self, q, node, by_centres=False):
+        """The child the engine enters first (`kdeqx._traverse._ChildOrder`): the one
+        on `q`'s side of the split or, `by_centres`, the one whose box centre is
+        nearer."""
         left, right = 2 * node + 1, 2 * node + 2
+        if by_centres and np.all(np.isfinite(self.lo[right])):
+            left_centre = (self.lo[left] + self.hi[left]) / 2
+            right_centre = (self.lo[right] + self.hi[right]) / 2
+            nearer_right = np.sum((q - right_centre) ** 2) < np.sum(
+                (q - left_centre) ** 2
+            )
+            return right if nearer_right else left
         gap = self.lo[right] - self.hi[left]
         dim = int(np.argmax(gap))
         plane = (self.lo[right][dim] + self.hi[left][dim]) / 2
@@ -79,15 +88,26 @@ class Boxes:
 
 
 def engine_walk(boxes, q, k, bound=np.inf):
-    """The engine's walk (`kdeqx._traverse._Steps`): depth first, first children on
-    the query's side of each split plane, one node tested per step, finished
-    subtrees skipped at once. `(outer iterations, leaves visited, steps, k-th
-    squared distance)`."""
+    """The engine's walk (`kdeqx._traverse._Steps`): depth first, one node tested
+    per step, finished subtrees skipped at once, children ordered by the split or,
+    for a query far from its first leaf, by their centres outside their parent's
+    box. `(outer iterations, leaves visited, steps, k-th squared distance)`."""
     best = np.full(k, bound)
-    v, seconds = 1, 0  # the node numbered from 1, and its path's second children
-    while v - 1 < boxes.first_leaf:
-        v, seconds = boxes.first_child(q, v - 1) + 1, seconds << 1
-    waiting = v - 1
+
+    def down(far):
+        node = 0
+        while node < boxes.first_leaf:
+            by_centres = far and boxes.box_d2(q, node) > 0
+            node = boxes.first_child(q, node, by_centres)
+        return node
+
+    first = down(False)
+    diagonal = np.sum((boxes.hi[first] - boxes.lo[first]) ** 2)
+    far = boxes.box_d2(q, first) > _FAR**2 * diagonal
+    if far:
+        first = down(True)
+    v, seconds = first + 1, 0  # the node numbered from 1, and its path's bits
+    waiting = first
 
     def skip(v, seconds):
         climb = (~seconds & (seconds + 1)).bit_length() - 1
@@ -105,14 +125,16 @@ def engine_walk(boxes, q, k, bound=np.inf):
                 break
             steps += 1
             node = v - 1
-            if boxes.box_d2(q, node) >= best[-1]:
+            box_d2 = boxes.box_d2(q, node)
+            if box_d2 >= best[-1]:
                 v, seconds = skip(v, seconds)
             elif node >= boxes.first_leaf:
                 waiting = node
                 v, seconds = skip(v, seconds)
                 break
             else:
-                v, seconds = boxes.first_child(q, node) + 1, seconds << 1
+                child = boxes.first_child(q, node, far and box_d2 > 0)
+                v, seconds = child + 1, seconds << 1
         if v <= 1 and waiting is None:
             return iterations, leaves, steps, best[-1]
 
@@ -230,7 +252,7 @@ def timing(k, sizes, repeats=5, rounds=200):
     rng = np.random.default_rng(1)
     internal = jnp.asarray(rng.integers(0, steps.first_leaf, 1024), index_dtype)
     leaves = internal + steps.first_leaf
-    move = jax.vmap(steps.move, in_axes=(0, None, 0, 0, 0, 0))
+    move = jax.vmap(steps.move, in_axes=(0, None, 0, 0, 0, 0))  # near the points
     visit = jax.vmap(steps.visit, in_axes=(0, None, 0, 0, 0))
     children = jax.vmap(lambda x, node: _children(steps, x, node))
 

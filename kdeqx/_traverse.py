@@ -1,9 +1,10 @@
 """The one traversal engine: a stackless depth-first walk in `lax.while_loop`s.
 
 Every query kind is a small visitor on this engine. The walk needs no stack: it
-tests one node per step, descends into the child on the query's side of the node's
-split plane first, and skips a finished or pruned subtree in one step, to the next
-node of the depth-first order, with one bit per level of the path (`_Steps`).
+tests one node per step, descends into the node's first child (by its split plane,
+or for a query far from the points by its children's centres: `_ChildOrder`), and
+skips a finished or pruned subtree in one step, to the next node of the depth-first
+order, with one bit per level of the path (`_Steps`).
 
 Many queries are walked by a fixed set of lanes (`walk_many`). A vmapped loop costs its
 slowest lane, so a lane whose query is finished takes its next one at once, instead of
@@ -35,6 +36,14 @@ if TYPE_CHECKING:
 
 # A lane with no query left.
 _IDLE = -2
+
+# How many of its first leaf's diagonals away a query must lie to walk "far" (see
+# `_ChildOrder`). Measured (n = 1e6, k = 8, 2 CPU devices, 2026-12-04): with 1, 4
+# and 16, 0 % of uniform queries were far, 47, 23 and 0.2 % of queries between
+# blobs, 97, 90 and 60 % of queries off a sheet, 100 % off a curve; 16 took the
+# blobs 0.585 s against 0.598 s with 1 and 0.545 s with 64, the sheet (Q = 1e4)
+# 0.583 s against 0.571 s with 1 and 0.647 s with 64.
+_FAR = 16.0
 
 # A visitor's state: any pytree of arrays of fixed shape.
 _State = PyTree
@@ -69,7 +78,7 @@ class AbstractVisitor(eqx.Module):
         """Folds one leaf's points into the state; padding slots have `d2 = inf`.
 
         A leaf that `should_visit` would prune may be visited too (a walk starts at
-        its nearest leaf): its points must then leave the state as it is.
+        its first leaf): its points must then leave the state as it is.
         """
 
     def leaves_per_visit(self, leaf_size: int) -> int:
@@ -194,13 +203,14 @@ class _Steps(eqx.Module):
     """The steps of a walk for one query, on the tree's search arrays.
 
     The walk is a depth-first one along "ropes": it tests one node per step and
-    either descends into the node's first child or skips the node's whole subtree
-    at once. A node's first child is the one on the query's side of the plane
-    between its two children, so the order needs no memory of the path beyond one
-    bit per level, `seconds`: bit `i` is set when the node `i` levels above the
-    current one (the current one is `i = 0`) is its parent's second child. Skipping
-    a subtree climbs past every level whose bit is set, then steps over to the
-    sibling, in a few integer operations (`skip`).
+    either descends into the node's first child (`_ChildOrder`) or skips the node's
+    whole subtree at once. It needs no memory of the path beyond one bit per level,
+    `seconds`: bit `i` is set when the node `i` levels above the current one (the
+    current one is `i = 0`) is the second of its parent's children that the walk
+    enters. Skipping a subtree climbs past every level whose bit is set, then steps
+    over to the sibling, in a few integer operations (`skip`). The climbing moves of
+    the walk this replaced (each testing both children of a node) cost a uniform
+    k = 8 query about 5 % more and one far from the points 30 % more.
     """
 
     tree: "KDTree"
@@ -208,8 +218,7 @@ class _Steps(eqx.Module):
     metric: Minkowski
     prune_factor: Float[Array, ""] | None
     node_keys: Int[Array, " nodes"]
-    split_dims: Int[Array, " splits"]
-    split_values: Float[Array, " splits"]
+    order: "_ChildOrder"
 
     def __init__(self, tree, metric: Minkowski, node_keys=None):
         self.tree = lax.stop_gradient(tree)
@@ -219,9 +228,7 @@ class _Steps(eqx.Module):
         self.metric = metric
         self.prune_factor = metric.prunes_by(scale.dtype)
         self.node_keys = self.tree.node_min_index if node_keys is None else node_keys
-        self.split_dims, self.split_values = _split_planes(
-            self.tree.node_lo, self.tree.node_hi
-        )
+        self.order = _ChildOrder(self.tree.node_lo, self.tree.node_hi)
 
     @property
     def first_leaf(self) -> int:
@@ -240,28 +247,52 @@ class _Steps(eqx.Module):
     def is_internal(self, node: Int[Array, "*lanes"]) -> Bool[Array, "*lanes"]:
         return (node >= 0) & (node < self.first_leaf)
 
-    def first_child(self, x: Query, node: Int[Array, ""]) -> Int[Array, ""]:
-        """The child of internal `node` on `x`'s side of its split plane (a block's
-        side is its centre's): the walk enters it first."""
-        point = x.anchor if isinstance(x, Block) else x
-        dim = gather_clamped(self.split_dims, node)
-        coordinate = point[0]
-        for axis in range(1, point.shape[-1]):
-            coordinate = jnp.where(dim == axis, point[axis], coordinate)
-        beyond = coordinate > gather_clamped(self.split_values, node)
-        return 2 * node + 1 + beyond.astype(node.dtype)
+    def box_d2(self, x: Query, node: Int[Array, ""]) -> Float[Array, ""]:
+        """The powered distance from `x` to `node`'s box (a lower bound)."""
+        tree = self.tree
+        return self.metric.box_lower_bound(
+            x,
+            gather_clamped(tree.node_lo, node),
+            gather_clamped(tree.node_hi, node),
+            self.period,
+        )
 
-    def start_leaf(self, x: Query) -> Int[Array, ""]:
-        """The first leaf of a walk: first children all the way down from the root,
-        so every bit of its `seconds` is clear."""
+    def first_child(
+        self, x: Query, node: Int[Array, ""], by_centres: Bool[Array, ""] | bool
+    ) -> Int[Array, ""]:
+        """The child of internal `node` that the walk enters first (`_ChildOrder`),
+        by the boxes' centres where `by_centres`, else by the split."""
+        point = x.anchor if isinstance(x, Block) else x
+        right_first = self.order.beyond_split(point, node)
+        if by_centres is not False:
+            nearer = self.order.nearer_right_centre(point, node)
+            right_first = jnp.where(by_centres, nearer, right_first)
+        return 2 * node + 1 + right_first.astype(node.dtype)
+
+    def start_leaf(self, x: Query, far: Bool[Array, ""] | bool) -> Int[Array, ""]:
+        """The first leaf of a walk: first children all the way down from the root
+        (`far`: as in `move`).
+
+        Any leaf would do: every bit of its `seconds` is clear (no sibling on its
+        path is done yet), so the walk then visits every subtree off its path once.
+        """
         depth = self.tree.num_leaves.bit_length() - 1
 
         def down(_, node):
-            return self.first_child(x, node)
+            by_centres = far if far is False else far & (self.box_d2(x, node) > 0)
+            return self.first_child(x, node, by_centres)
 
         return lax.fori_loop(
             0, depth, down, jnp.zeros((), self.tree.leaf_indices.dtype)
         )
+
+    def is_far(self, x: Query, leaf: Int[Array, ""]) -> Bool[Array, ""]:
+        """Whether `x` lies far from the points of `leaf`, the first leaf of its walk
+        by the split: further from its box than `_FAR` times the box's diagonal. Such
+        a walk orders children by their centres outside their parent's box."""
+        lo = gather_clamped(self.tree.node_lo, leaf)
+        hi = gather_clamped(self.tree.node_hi, leaf)
+        return self.box_d2(x, leaf) > self.metric.powered(_FAR * (hi - lo))
 
     def skip(
         self, node: Int[Array, ""], seconds: UInt[Array, ""]
@@ -283,17 +314,22 @@ class _Steps(eqx.Module):
         following = jnp.where(up == 1, -1, (up ^ 1) - 1)
         return following.astype(node.dtype), (seconds >> climb) | 1
 
-    def move(self, x, visitor, state, node, seconds, waiting):
+    def move(
+        self,
+        x,
+        visitor,
+        state,
+        node,
+        seconds,
+        waiting,
+        far: Bool[Array, ""] | bool = False,
+    ):
         """One step: tests `node`, then descends to its first child, stops at it (a
         leaf to visit: `waiting`), or skips its subtree. A lane that waits at a leaf
-        or is done stays put. Returns the new `(node, seconds, waiting)`."""
-        tree = self.tree
-        box_d2 = self.metric.box_lower_bound(
-            x,
-            gather_clamped(tree.node_lo, node),
-            gather_clamped(tree.node_hi, node),
-            self.period,
-        )
+        or is done stays put. `far`: whether the query lies far from the points (see
+        `start`; `False` spares the step the gathers of the centres' order).
+        Returns the new `(node, seconds, waiting)`."""
+        box_d2 = self.box_d2(x, node)
         if self.prune_factor is not None:  # scipy's `eps`: skip nearly-far subtrees
             box_d2 = box_d2 * self.prune_factor
         key = gather_clamped(self.node_keys, node)
@@ -301,8 +337,11 @@ class _Steps(eqx.Module):
         internal = self.is_internal(node)
         descend = visit & internal
         skipped, skipped_seconds = self.skip(node, seconds)
+        by_centres = far if far is False else far & (box_d2 > 0)
         following = jnp.where(
-            descend, self.first_child(x, node), jnp.where(visit, node, skipped)
+            descend,
+            self.first_child(x, node, by_centres),
+            jnp.where(visit, node, skipped),
         )
         following_seconds = jnp.where(
             descend, seconds << 1, jnp.where(visit, seconds, skipped_seconds)
@@ -354,32 +393,66 @@ class _Steps(eqx.Module):
         return state, emitted
 
 
-def _split_planes(
-    lo: Float[Array, "nodes d"], hi: Float[Array, "nodes d"]
-) -> tuple[Int[Array, " splits"], Float[Array, " splits"]]:
-    """Per internal node, a plane between its two children: the dimension along
-    which the right child's box starts furthest past the left child's end, at the
-    middle of that gap.
+class _ChildOrder(eqx.Module):
+    """Which child of each internal node a walk enters first.
 
-    The build splits at a median, so along the split dimension the two boxes do not
-    overlap. The plane only orders the walk: any plane gives the same answers. An
-    empty right child (padding) gives an infinite plane, so queries take the left
-    one first. One entry more than there are internal nodes, so that a tree of one
-    leaf has something to gather.
+    Two orders, both planes per node, the right child first beyond them. By the
+    split: the plane between the children (the build splits at a median, so along
+    one dimension the children's boxes do not overlap; the plane lies midway across
+    that gap), which costs a step two gathers. By the centres: the plane that
+    bisects the two boxes' centres, so the child whose centre is nearer comes first
+    (`d + 1` gathers). Far from the points, the split planes led queries into
+    subtrees far from them (points on a curve: ten times the leaves); the centres
+    alone cost queries among the points 10 % more steps (`benchmarks/walk_order.py`).
+    So a walk far from the points orders by the centres where the query lies
+    outside a node's box, and by the split otherwise. Any order gives the same
+    answers: it only decides how soon the walk's bound tightens.
+
+    A row per internal node and a spare one, so that a tree of one leaf has
+    something to gather. An empty right child (padding) never comes first.
     """
-    left_hi, right_lo = hi[1::2], lo[2::2]
-    gap = right_lo - left_hi
-    dims = jnp.argmax(gap, axis=1).astype(jnp.int32)
-    middle = (jnp.take_along_axis(right_lo + left_hi, dims[:, None], axis=1)[:, 0]) / 2
-    return (
-        jnp.append(dims, jnp.zeros((1,), dims.dtype)),
-        jnp.append(middle, jnp.zeros((1,), middle.dtype)),
-    )
+
+    split_dims: Int[Array, " rows"]
+    split_values: Float[Array, " rows"]
+    normals: Float[Array, "d rows"]
+    offsets: Float[Array, " rows"]
+
+    def __init__(self, lo: Float[Array, "nodes d"], hi: Float[Array, "nodes d"]):
+        left_lo, left_hi = _with_spare_row(lo[1::2]), _with_spare_row(hi[1::2])
+        right_lo, right_hi = _with_spare_row(lo[2::2]), _with_spare_row(hi[2::2])
+        dims = jnp.argmax(right_lo - left_hi, axis=1).astype(jnp.int32)
+        middles = jnp.take_along_axis(right_lo + left_hi, dims[:, None], axis=1) / 2
+        self.split_dims, self.split_values = dims, middles[:, 0]
+        # Nearer the right centre `c_r` than the left `c_l` where
+        # `x . (c_r - c_l) > (|c_r|^2 - |c_l|^2) / 2`.
+        left, right = (left_lo + left_hi) / 2, (right_lo + right_hi) / 2
+        normals = right - left
+        offsets = (jnp.sum(right * right, axis=1) - jnp.sum(left * left, axis=1)) / 2
+        usable = jnp.all(jnp.isfinite(normals), axis=1) & jnp.isfinite(offsets)
+        self.normals = jnp.where(usable[:, None], normals, 0).T
+        self.offsets = jnp.where(usable, offsets, jnp.inf)
+
+    def beyond_split(self, x: Float[Array, " d"], node: Int[Array, ""]):
+        dim = gather_clamped(self.split_dims, node)
+        coordinate = x[0]
+        for axis in range(1, x.shape[-1]):
+            coordinate = jnp.where(dim == axis, x[axis], coordinate)
+        return coordinate > gather_clamped(self.split_values, node)
+
+    def nearer_right_centre(self, x: Float[Array, " d"], node: Int[Array, ""]):
+        projection = x[0] * gather_clamped(self.normals[0], node)
+        for axis in range(1, x.shape[-1]):
+            projection = projection + x[axis] * gather_clamped(self.normals[axis], node)
+        return projection > gather_clamped(self.offsets, node)
+
+
+def _with_spare_row(rows: Array) -> Array:
+    return jnp.concatenate([rows, jnp.zeros((1, *rows.shape[1:]), rows.dtype)])
 
 
 def walk(tree, x: Query, visitor: AbstractVisitor, metric: Minkowski) -> _State:
-    """Runs `visitor` over every leaf it does not prune, depth first from the leaf
-    whose cell holds `x`.
+    """Runs `visitor` over every leaf it does not prune, depth first from the first
+    leaf of `x`'s walk (`_Steps.start_leaf`).
 
     The visitor sees `metric`'s powered distances in the tree's search coordinates,
     which are scaled by `tree.scale`: express its thresholds with
@@ -387,11 +460,15 @@ def walk(tree, x: Query, visitor: AbstractVisitor, metric: Minkowski) -> _State:
     """
     steps = _Steps(tree, metric)
     x = steps.search_point(x)
+    near_leaf = steps.start_leaf(x, False)
+    far = steps.is_far(x, near_leaf)
+    first_leaf = jnp.where(far, steps.start_leaf(x, far), near_leaf)
 
     def to_next_leaf(carry):
         def move(c):
             node, seconds, waiting, state = c
-            return (*steps.move(x, visitor, state, node, seconds, waiting), state)
+            walker = steps.move(x, visitor, state, node, seconds, waiting, far)
+            return (*walker, state)
 
         return lax.while_loop(lambda c: (c[0] >= 0) & ~c[2], move, carry)
 
@@ -401,7 +478,7 @@ def walk(tree, x: Query, visitor: AbstractVisitor, metric: Minkowski) -> _State:
         return to_next_leaf((*steps.leave(node, seconds, waiting), state))
 
     start = (
-        steps.start_leaf(x),
+        first_leaf,
         jnp.zeros((), jnp.uint32),
         jnp.ones((), bool),
         visitor.init(),
@@ -502,19 +579,32 @@ def walk_many(
     lanes = min(lanes, q)
     steps_per_visit = step_cap()
     steps = _Steps(tree, metric, node_keys)
-    move = jax.vmap(steps.move, in_axes=(0, visitor_axis, 0, 0, 0, 0))
+    move = jax.vmap(steps.move, in_axes=(0, visitor_axis, 0, 0, 0, 0, 0))
+    move_near = jax.vmap(steps.move, in_axes=(0, visitor_axis, 0, 0, 0, 0))
     visit = jax.vmap(steps.visit, in_axes=(0, visitor_axis, 0, 0, 0))
     leave = jax.vmap(steps.leave)
 
-    def advance(x, visitor, state, node, seconds, waiting):
+    def advance(x, visitor, state, far, node, seconds, waiting):
         """Moves every lane `steps_per_visit` steps towards its next leaf (lanes that
         reach it wait there). Nearly always some lane needs them all, so the loop does
-        not test for an early end."""
+        not test for an early end. While no lane walks far from the points, the
+        steps skip the gathers of the centres' order."""
 
-        def one_step(_, c):
-            return move(x, visitor, state, *c)
+        def far_steps(walker):
+            def one_step(_, c):
+                node, seconds, waiting = c
+                return move(x, visitor, state, node, seconds, waiting, far)
 
-        return lax.fori_loop(0, steps_per_visit, one_step, (node, seconds, waiting))
+            return lax.fori_loop(0, steps_per_visit, one_step, walker)
+
+        def near_steps(walker):
+            def one_step(_, c):
+                return move_near(x, visitor, state, *c)
+
+            return lax.fori_loop(0, steps_per_visit, one_step, walker)
+
+        walker = (node, seconds, waiting)
+        return lax.cond(jnp.any(far & (node >= 0)), far_steps, near_steps, walker)
 
     points = jax.vmap(steps.search_point)(x)
     # Position `i` along the curve is row `order[i]` of the input.
@@ -529,10 +619,16 @@ def walk_many(
     points = _rows(points, order)
     if visitor_axis is not None:
         visitors = _rows(visitors, order)
-    # Every walk starts at the leaf whose cell holds its query, found for all
-    # queries at once. The walk from the root would stop on the way there only where
-    # the visitor prunes, and visiting a leaf it would prune changes no state.
-    first_node = jax.vmap(steps.start_leaf)(points)
+    # Every walk starts at its first leaf, found for all queries at once. The walk
+    # from the root would stop on the way there only where the visitor prunes, and
+    # visiting a leaf it would prune changes no state.
+    first_node = jax.vmap(steps.start_leaf, in_axes=(0, None))(points, False)
+    far = jax.vmap(steps.is_far)(points, first_node)
+    first_node = lax.cond(
+        jnp.any(far),
+        lambda: jnp.where(far, jax.vmap(steps.start_leaf)(points, far), first_node),
+        lambda: first_node,
+    )
 
     def take_next(position, finished, walker, state):
         """Lanes that finished start their next query, at `position` along the curve,
@@ -566,7 +662,7 @@ def walk_many(
     per_visit = visitors.leaves_per_visit(tree.leaf_size)
     assert per_visit == 1 or sink is None, "emitting visitors visit leaf by leaf"
 
-    def visit_several(x, visitor, state, walker):
+    def visit_several(x, visitor, state, far, walker):
         """Each lane's next `per_visit` leaves, gathered while the walk moves on with
         the state as it was, then folded in at once: for the k nearest, one merge
         of several leaves costs about what one leaf's did (k = 512: the 9 stages of
@@ -589,7 +685,7 @@ def walk_many(
             indices = lax.dynamic_update_slice_in_dim(
                 indices, jnp.where(padding, tree.n, index), r * size, axis=1
             )
-            walker = advance(x, visitor, state, *leave(*walker))
+            walker = advance(x, visitor, state, far, *leave(*walker))
             return walker, d2s, indices
 
         shape = (walker[0].shape[0], per_visit * size)
@@ -603,15 +699,16 @@ def walk_many(
     def step(carry):
         position, walker, state, out, sink = carry
         xl, visitor = _rows(points, position), visitors_at(position)
+        far_lanes = gather_clamped(far, position)
         if per_visit > 1:
-            state, walker = visit_several(xl, visitor, state, walker)
+            state, walker = visit_several(xl, visitor, state, far_lanes, walker)
         else:
             node, _, waiting = walker
             state, emitted = visit(xl, visitor, state, node, waiting)
             if sink is not None:
                 assert emitted is not None, "a walk with a sink needs emitting visitors"
                 sink = sink.appended(*emitted)
-            walker = advance(xl, visitor, state, *leave(*walker))
+            walker = advance(xl, visitor, state, far_lanes, *leave(*walker))
         finished = walker[0] == -1
         out = finish(out, finished, position, state)
         position = jnp.where(finished, position + lanes, position)

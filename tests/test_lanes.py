@@ -166,14 +166,16 @@ class _CountPoints(_traverse.AbstractVisitor):
 @pytest.mark.parametrize("n", [1, 32, 33, 1000])
 @pytest.mark.parametrize("queries", [5, Q])
 @pytest.mark.parametrize("d", [2, 8])
-def test_walks_visit_every_leaf_once(n, queries, d):
+@pytest.mark.parametrize("away", [0.0, 50.0])
+def test_walks_visit_every_leaf_once(n, queries, d, away):
     """A walk that prunes nothing visits every point exactly once, whichever leaf
     it starts at: its skips over finished subtrees miss none and repeat none (with
     one set of lanes and with refilled lanes, in trees of one leaf, of padded
-    leaves and of several levels)."""
+    leaves and of several levels; among the points and far from them, where the
+    walk orders children otherwise)."""
     rng = np.random.default_rng(n + d)
     points = clustered(rng, n, d).astype(np.float32)
-    x = rng.uniform(-0.5, 1.5, (queries, d)).astype(np.float32)
+    x = rng.uniform(-0.5, 1.5, (queries, d)).astype(np.float32) + away
     tree = kdeqx.KDTree(points)
     counts, _ = eqx.filter_jit(_traverse.walk_many)(
         tree, x, _CountPoints(n), Minkowski(2.0), None
@@ -191,7 +193,8 @@ def test_walks_start_in_the_cell_of_their_query():
     @jax.jit
     def first_leaves(tree, x):
         steps = _traverse._Steps(tree, Minkowski(2.0))
-        return jax.vmap(steps.start_leaf)(jax.vmap(steps.search_point)(x))
+        x = jax.vmap(steps.search_point)(x)
+        return jax.vmap(steps.start_leaf, in_axes=(0, None))(x, False)
 
     leaves = np.asarray(first_leaves(tree, points[:500])) - (tree.num_leaves - 1)
     slots = np.asarray(tree.leaf_indices).reshape(tree.num_leaves, -1)
