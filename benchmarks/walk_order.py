@@ -5,16 +5,14 @@
 
 For a sample of queries on kdeqx's own tree (the same leaf boxes the query walks),
 in NumPy, per query: how many leaves any exact walk must visit (those whose box lies
-nearer than the final k-th distance), how many the engine's walk visits, how many
-outer iterations it takes (one leaf visit, then up to `CPU_STEPS` steps) and how many
-steps, and the same for the climbing near-child-first walk the engine used before
-2026-12-04 (its steps are moves that test both children), for a best-first order (a
-priority queue of subtrees on box distance: the minimum of leaves) and for the
-engine's walk given the exact k-th distance in advance. `--timing` then times, on
-1,024 lanes, `CPU_STEPS` steps of the engine against one leaf visit (the k-best merge
-included) and against `CPU_STEPS` steps that also keep a priority queue of `S`
-entries per lane (push the far child, pop the nearest entry), the extra work a
-best-first walk needs.
+nearer than the final k-th distance), how many the engine's near-child-first walk
+visits and how many outer iterations it takes (one leaf visit, then up to
+`CPU_STEPS` moves), and the same for a best-first order (a priority queue of
+subtrees on box distance: the minimum of leaves) and for the engine's walk given the
+exact k-th distance in advance. `--timing` then times, on 1,024 lanes, `CPU_STEPS`
+moves of the engine against one leaf visit (the k-best merge included) and against
+`CPU_STEPS` steps that also keep a priority queue of `S` entries per lane (push the
+far child, pop the nearest entry), the extra work a best-first walk needs.
 """
 
 import argparse
@@ -31,7 +29,7 @@ import kdeqx
 from kdeqx._backend import CPU_STEPS, gather_clamped, lexicographic_less
 from kdeqx._knn import _KNearest
 from kdeqx._metric import EUCLIDEAN
-from kdeqx._traverse import _FAR, _Steps
+from kdeqx._traverse import _Steps
 
 
 class Boxes:
@@ -69,83 +67,13 @@ class Boxes:
             node = self.children(q, node)[0]
         return node
 
-    def first_child(self, q, node, by_centres=False):
-        """The child the engine enters first (`kdeqx._traverse._ChildOrder`): the one
-        on `q`'s side of the split or, `by_centres`, the one whose box centre is
-        nearer."""
-        left, right = 2 * node + 1, 2 * node + 2
-        if by_centres and np.all(np.isfinite(self.lo[right])):
-            left_centre = (self.lo[left] + self.hi[left]) / 2
-            right_centre = (self.lo[right] + self.hi[right]) / 2
-            nearer_right = np.sum((q - right_centre) ** 2) < np.sum(
-                (q - left_centre) ** 2
-            )
-            return right if nearer_right else left
-        gap = self.lo[right] - self.hi[left]
-        dim = int(np.argmax(gap))
-        plane = (self.lo[right][dim] + self.hi[left][dim]) / 2
-        return right if q[dim] > plane else left
-
 
 def engine_walk(boxes, q, k, bound=np.inf):
-    """The engine's walk (`kdeqx._traverse._Steps`): depth first, one node tested
-    per step, finished subtrees skipped at once, children ordered by the split or,
-    for a query far from its first leaf, by their centres outside their parent's
-    box. `(outer iterations, leaves visited, steps, k-th squared distance)`."""
+    """The engine's stackless near-child-first walk from the nearest leaf: `(outer
+    iterations, leaves visited, k-th squared distance)`."""
     best = np.full(k, bound)
-
-    def down(far):
-        node = 0
-        while node < boxes.first_leaf:
-            by_centres = far and boxes.box_d2(q, node) > 0
-            node = boxes.first_child(q, node, by_centres)
-        return node
-
-    first = down(False)
-    diagonal = np.sum((boxes.hi[first] - boxes.lo[first]) ** 2)
-    far = boxes.box_d2(q, first) > _FAR**2 * diagonal
-    if far:
-        first = down(True)
-    v, seconds = first + 1, 0  # the node numbered from 1, and its path's bits
-    waiting = first
-
-    def skip(v, seconds):
-        climb = (~seconds & (seconds + 1)).bit_length() - 1
-        return (v >> climb) ^ 1, (seconds >> climb) | 1
-
-    v, seconds = skip(v, seconds)
-    iterations = leaves = steps = 0
-    while True:
-        iterations += 1
-        if waiting is not None:
-            best = np.sort(np.concatenate([best, boxes.leaf_d2(q, waiting)]))[:k]
-            leaves, waiting = leaves + 1, None
-        for _ in range(CPU_STEPS):
-            if v <= 1:
-                break
-            steps += 1
-            node = v - 1
-            box_d2 = boxes.box_d2(q, node)
-            if box_d2 >= best[-1]:
-                v, seconds = skip(v, seconds)
-            elif node >= boxes.first_leaf:
-                waiting = node
-                v, seconds = skip(v, seconds)
-                break
-            else:
-                child = boxes.first_child(q, node, far and box_d2 > 0)
-                v, seconds = child + 1, seconds << 1
-        if v <= 1 and waiting is None:
-            return iterations, leaves, steps, best[-1]
-
-
-def climbing_walk(boxes, q, k):
-    """The engine's walk until 2026-12-04: stackless, near child (by box distance)
-    first, climbing back up one move at a time, each move testing both children.
-    `(outer iterations, leaves visited, moves)`."""
-    best = np.full(k, np.inf)
     node, previous = boxes.nearest_leaf(q), None
-    iterations = leaves = moves = 0
+    iterations = leaves = 0
     while node >= 0:
         iterations += 1
         if node >= boxes.first_leaf:
@@ -155,7 +83,6 @@ def climbing_walk(boxes, q, k):
         for _ in range(CPU_STEPS):
             if node < 0 or node >= boxes.first_leaf:
                 break
-            moves += 1
             parent = (node - 1) >> 1
             near, far, near_d2, far_d2 = boxes.children(q, node)
             visit_near, visit_far = near_d2 < best[-1], far_d2 < best[-1]
@@ -166,7 +93,7 @@ def climbing_walk(boxes, q, k):
             else:
                 following = parent
             previous, node = node, following
-    return iterations, leaves, moves
+    return iterations, leaves, best[-1]
 
 
 def best_first_walk(boxes, q, k):
@@ -214,18 +141,13 @@ def count(data, n, queries, k):
     boxes = Boxes(tree)
     rows = []
     for q in x.astype(np.float32).astype(np.float64) * float(tree.scale):
-        iterations, leaves, steps, kth_d2 = engine_walk(boxes, q, k)
-        given, given_leaves, *_ = engine_walk(boxes, q, k, bound=kth_d2 * (1 + 1e-12))
-        climbing, climbing_leaves, moves = climbing_walk(boxes, q, k)
+        iterations, leaves, kth_d2 = engine_walk(boxes, q, k)
+        given, given_leaves, _ = engine_walk(boxes, q, k, bound=kth_d2 * (1 + 1e-12))
         rows.append(
             (
                 leaves_needed(boxes, q, kth_d2),
                 leaves,
                 iterations,
-                steps,
-                climbing_leaves,
-                climbing,
-                moves,
                 *best_first_walk(boxes, q, k)[::-1],
                 given_leaves,
                 given,
@@ -252,29 +174,22 @@ def timing(k, sizes, repeats=5, rounds=200):
     rng = np.random.default_rng(1)
     internal = jnp.asarray(rng.integers(0, steps.first_leaf, 1024), index_dtype)
     leaves = internal + steps.first_leaf
-    move = jax.vmap(steps.move, in_axes=(0, None, 0, 0, 0, 0))  # near the points
-    visit = jax.vmap(steps.visit, in_axes=(0, None, 0, 0, 0))
-    children = jax.vmap(lambda x, node: _children(steps, x, node))
+    move = jax.vmap(steps.move, in_axes=(0, None, 0, 0, 0))
+    visit = jax.vmap(steps.visit, in_axes=(0, None, 0, 0))
+    children = jax.vmap(steps.children)
 
     @jax.jit
     def moves(x, state, start):
         def body(_, carry):
-            node, seconds, waiting = move(x, visitor, state, *carry)
-            again = (node < 0) | waiting  # a lane at a leaf starts over
-            return (
-                jnp.where(again, start, node),
-                jnp.where(again, 0, seconds),
-                jnp.zeros_like(waiting),
-            )
+            node, previous = move(x, visitor, state, *carry)
+            return jnp.where(node < 0, start, node), previous
 
-        walker = (start, jnp.zeros(start.shape, jnp.uint32), start < 0)
-        return lax.fori_loop(0, rounds * CPU_STEPS, body, walker)
+        return lax.fori_loop(0, rounds * CPU_STEPS, body, (start, (start - 1) >> 1))
 
     @jax.jit
     def visits(x, state, leaf):
-        at_leaf = jnp.ones(leaf.shape, bool)
         return lax.fori_loop(
-            0, rounds, lambda _, s: visit(x, visitor, s, leaf, at_leaf)[0], state
+            0, rounds, lambda _, s: visit(x, visitor, s, leaf)[0], state
         )
 
     def queue_steps(size):
@@ -332,32 +247,12 @@ def timing(k, sizes, repeats=5, rounds=200):
         return min(times) / rounds * 1e3
 
     print(f"\nPer outer iteration of 1,024 lanes (k = {k}), best of {repeats}:")
-    print(f"  {CPU_STEPS} engine steps: {best_ms(moves, internal):.3f} ms")
+    print(f"  {CPU_STEPS} engine moves: {best_ms(moves, internal):.3f} ms")
     print(f"  one leaf visit (k-best merge): {best_ms(visits, leaves):.3f} ms")
     for size in sizes:
         ms = best_ms(queue_steps(size), internal)
         print(f"  {CPU_STEPS} steps with a queue of {size}: {ms:.3f} ms")
-    print(f"  {CPU_STEPS} engine steps, again: {best_ms(moves, internal):.3f} ms")
-
-
-def _children(steps, x, node):
-    """Both children of `node` as `(near, far, near_d2, far_d2)`, nearer box first:
-    what a best-first walk tests at each step."""
-    tree = steps.tree
-    left = 2 * node + 1
-    d2_left, d2_right = (
-        EUCLIDEAN.box_lower_bound(
-            x,
-            gather_clamped(tree.node_lo, child),
-            gather_clamped(tree.node_hi, child),
-            None,
-        )
-        for child in (left, left + 1)
-    )
-    left_is_near = d2_left <= d2_right
-    near = jnp.where(left_is_near, left, left + 1)
-    far = jnp.where(left_is_near, left + 1, left)
-    return near, far, jnp.minimum(d2_left, d2_right), jnp.maximum(d2_left, d2_right)
+    print(f"  {CPU_STEPS} engine moves, again: {best_ms(moves, internal):.3f} ms")
 
 
 def main():
@@ -375,7 +270,6 @@ def main():
         f"n = {args.n:.0e}, {args.queries} uniform queries per data set, k = {args.k}, "
         f"leaves of 32; mean (p90) per query.\n"
         f"{'data':>10} {'needed':>12} {'engine lv':>12} {'engine it':>12} "
-        f"{'engine st':>12} {'climb lv':>12} {'climb it':>12} {'climb st':>12} "
         f"{'b-first lv':>12} {'b-first it':>12} {'given lv':>12} {'given it':>12}"
     )
     for data in args.data:

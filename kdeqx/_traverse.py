@@ -1,10 +1,9 @@
-"""The one traversal engine: a stackless depth-first walk in `lax.while_loop`s.
+"""The one traversal engine: a stackless, near-child-first walk in `lax.while_loop`s.
 
-Every query kind is a small visitor on this engine. The walk needs no stack: it
-tests one node per step, descends into the node's first child (by its split plane,
-or for a query far from the points by its children's centres: `_ChildOrder`), and
-skips a finished or pruned subtree in one step, to the next node of the depth-first
-order, with one bit per level of the path (`_Steps`).
+Every query kind is a small visitor on this engine. The walk needs no stack: in the
+heap layout a node's parent is `(i - 1) // 2`, so remembering the previous node tells
+whether the walk came down from the parent or up from a child, and which child is
+"near" is recomputed from the children's bounding boxes.
 
 Many queries are walked by a fixed set of lanes (`walk_many`). A vmapped loop costs its
 slowest lane, so a lane whose query is finished takes its next one at once, instead of
@@ -36,14 +35,6 @@ if TYPE_CHECKING:
 
 # A lane with no query left.
 _IDLE = -2
-
-# How many of its first leaf's diagonals away a query must lie to walk "far" (see
-# `_ChildOrder`). Measured (n = 1e6, k = 8, 2 CPU devices, 2026-12-04): with 1, 4
-# and 16, 0 % of uniform queries were far, 47, 23 and 0.2 % of queries between
-# blobs, 97, 90 and 60 % of queries off a sheet, 100 % off a curve; 16 took the
-# blobs 0.585 s against 0.598 s with 1 and 0.545 s with 64, the sheet (Q = 1e4)
-# 0.583 s against 0.571 s with 1 and 0.647 s with 64.
-_FAR = 16.0
 
 # A visitor's state: any pytree of arrays of fixed shape.
 _State = PyTree
@@ -78,7 +69,7 @@ class AbstractVisitor(eqx.Module):
         """Folds one leaf's points into the state; padding slots have `d2 = inf`.
 
         A leaf that `should_visit` would prune may be visited too (a walk starts at
-        its first leaf): its points must then leave the state as it is.
+        its nearest leaf): its points must then leave the state as it is.
         """
 
     def leaves_per_visit(self, leaf_size: int) -> int:
@@ -200,25 +191,13 @@ def far_limit(dtype, d: int, metric: Minkowski) -> float:
 
 
 class _Steps(eqx.Module):
-    """The steps of a walk for one query, on the tree's search arrays.
-
-    The walk is a depth-first one along "ropes": it tests one node per step and
-    either descends into the node's first child (`_ChildOrder`) or skips the node's
-    whole subtree at once. It needs no memory of the path beyond one bit per level,
-    `seconds`: bit `i` is set when the node `i` levels above the current one (the
-    current one is `i = 0`) is the second of its parent's children that the walk
-    enters. Skipping a subtree climbs past every level whose bit is set, then steps
-    over to the sibling, in a few integer operations (`skip`). The climbing moves of
-    the walk this replaced (each testing both children of a node) cost a uniform
-    k = 8 query about 5 % more and one far from the points 30 % more.
-    """
+    """The two moves of a walk for one query, on the tree's search arrays."""
 
     tree: "KDTree"
     period: Float[Array, " d"] | None
     metric: Minkowski
     prune_factor: Float[Array, ""] | None
     node_keys: Int[Array, " nodes"]
-    order: "_ChildOrder"
 
     def __init__(self, tree, metric: Minkowski, node_keys=None):
         self.tree = lax.stop_gradient(tree)
@@ -228,7 +207,6 @@ class _Steps(eqx.Module):
         self.metric = metric
         self.prune_factor = metric.prunes_by(scale.dtype)
         self.node_keys = self.tree.node_min_index if node_keys is None else node_keys
-        self.order = _ChildOrder(self.tree.node_lo, self.tree.node_hi)
 
     @property
     def first_leaf(self) -> int:
@@ -247,125 +225,71 @@ class _Steps(eqx.Module):
     def is_internal(self, node: Int[Array, "*lanes"]) -> Bool[Array, "*lanes"]:
         return (node >= 0) & (node < self.first_leaf)
 
-    def box_d2(self, x: Query, node: Int[Array, ""]) -> Float[Array, ""]:
-        """The powered distance from `x` to `node`'s box (a lower bound)."""
+    def children(self, x, node, by_additions: bool = False):
+        """The children of `node` as `(near, far)` with their powered box distances;
+        the left child is near when the two tie."""
         tree = self.tree
-        return self.metric.box_lower_bound(
-            x,
-            gather_clamped(tree.node_lo, node),
-            gather_clamped(tree.node_hi, node),
-            self.period,
+        left = 2 * node + 1
+        right = left + 1
+        d2_left, d2_right = (
+            self.metric.box_lower_bound(
+                x,
+                gather_clamped(tree.node_lo, child),
+                gather_clamped(tree.node_hi, child),
+                self.period,
+                by_additions,
+            )
+            for child in (left, right)
         )
+        left_is_near = d2_left <= d2_right
+        near = jnp.where(left_is_near, left, right)
+        far = jnp.where(left_is_near, right, left)
+        return near, far, jnp.minimum(d2_left, d2_right), jnp.maximum(d2_left, d2_right)
 
-    def first_child(
-        self, x: Query, node: Int[Array, ""], by_centres: Bool[Array, ""] | bool
-    ) -> Int[Array, ""]:
-        """The child of internal `node` that the walk enters first (`_ChildOrder`),
-        by the boxes' centres where `by_centres`, else by the split."""
-        point = x.anchor if isinstance(x, Block) else x
-        right_first = self.order.beyond_split(point, node)
-        if by_centres is not False:
-            nearer = self.order.nearer_right_centre(point, node)
-            right_first = jnp.where(by_centres, nearer, right_first)
-        return 2 * node + 1 + right_first.astype(node.dtype)
+    def nearest_leaf(self, x):
+        """The first leaf of a walk from the root: near children all the way down.
 
-    def start_leaf(self, x: Query, far: Bool[Array, ""] | bool) -> Int[Array, ""]:
-        """The first leaf of a walk: first children all the way down from the root
-        (`far`: as in `move`).
-
-        Any leaf would do: every bit of its `seconds` is clear (no sibling on its
-        path is done yet), so the walk then visits every subtree off its path once.
+        A walk climbs from it taking each child it comes from for the near one, so
+        this must choose as `move` does, to the last bit (see `sum_by_additions`).
         """
         depth = self.tree.num_leaves.bit_length() - 1
 
         def down(_, node):
-            by_centres = far if far is False else far & (self.box_d2(x, node) > 0)
-            return self.first_child(x, node, by_centres)
+            # Run for all queries at once: see `sum_of_squares`.
+            return self.children(x, node, by_additions=True)[0]
 
         return lax.fori_loop(
             0, depth, down, jnp.zeros((), self.tree.leaf_indices.dtype)
         )
 
-    def is_far(self, x: Query, leaf: Int[Array, ""]) -> Bool[Array, ""]:
-        """Whether `x` lies far from the points of `leaf`, the first leaf of its walk
-        by the split: further from its box than `_FAR` times the box's diagonal. Such
-        a walk orders children by their centres outside their parent's box."""
-        lo = gather_clamped(self.tree.node_lo, leaf)
-        hi = gather_clamped(self.tree.node_hi, leaf)
-        return self.box_d2(x, leaf) > self.metric.powered(_FAR * (hi - lo))
+    def move(self, x, visitor, state, node, previous):
+        """One step from an internal node: down to a child, or back up to the parent.
 
-    def skip(
-        self, node: Int[Array, ""], seconds: UInt[Array, ""]
-    ) -> tuple[Int[Array, ""], UInt[Array, ""]]:
-        """The walk's next node after `node`'s subtree, and its `seconds`: `-1` when
-        the walk is over.
-
-        In the heap numbered from 1 (`v = node + 1`) the parent of `v` is `v >> 1`
-        and its sibling `v ^ 1`. The walk climbs as many levels as `seconds` has
-        trailing ones (every subtree there is finished), then takes the sibling,
-        which is a second child. At the root it is done.
+        Returns the new `(node, previous)`; a lane at a leaf or done stays put.
         """
-        lowest_clear = ~seconds & (seconds + 1)
-        # log2 of a power of two, from its float32 exponent (exact, and vectorised
-        # where `lax.clz` is not).
-        as_float = lowest_clear.astype(jnp.float32)
-        climb = (lax.bitcast_convert_type(as_float, jnp.uint32) >> 23) - 127
-        up = (node + 1) >> climb.astype(node.dtype)
-        following = jnp.where(up == 1, -1, (up ^ 1) - 1)
-        return following.astype(node.dtype), (seconds >> climb) | 1
-
-    def move(
-        self,
-        x,
-        visitor,
-        state,
-        node,
-        seconds,
-        waiting,
-        far: Bool[Array, ""] | bool = False,
-    ):
-        """One step: tests `node`, then descends to its first child, stops at it (a
-        leaf to visit: `waiting`), or skips its subtree. A lane that waits at a leaf
-        or is done stays put. `far`: whether the query lies far from the points (see
-        `start`; `False` spares the step the gathers of the centres' order).
-        Returns the new `(node, seconds, waiting)`."""
-        box_d2 = self.box_d2(x, node)
+        keys = self.node_keys
+        parent = (node - 1) >> 1  # the root's parent is -1: the walk is over
+        near, far, near_d2, far_d2 = self.children(x, node)
         if self.prune_factor is not None:  # scipy's `eps`: skip nearly-far subtrees
-            box_d2 = box_d2 * self.prune_factor
-        key = gather_clamped(self.node_keys, node)
-        visit = visitor.should_visit(state, box_d2, key)
-        internal = self.is_internal(node)
-        descend = visit & internal
-        skipped, skipped_seconds = self.skip(node, seconds)
-        by_centres = far if far is False else far & (box_d2 > 0)
+            near_d2, far_d2 = near_d2 * self.prune_factor, far_d2 * self.prune_factor
+        visit_near = visitor.should_visit(state, near_d2, gather_clamped(keys, near))
+        visit_far = visitor.should_visit(state, far_d2, gather_clamped(keys, far))
+        after_parent = jnp.where(visit_near, near, jnp.where(visit_far, far, parent))
+        after_near = jnp.where(visit_far, far, parent)
         following = jnp.where(
-            descend,
-            self.first_child(x, node, by_centres),
-            jnp.where(visit, node, skipped),
+            previous == parent,
+            after_parent,
+            jnp.where(previous == near, after_near, parent),
         )
-        following_seconds = jnp.where(
-            descend, seconds << 1, jnp.where(visit, seconds, skipped_seconds)
-        )
-        moving = (node >= 0) & ~waiting
-        return (
-            jnp.where(moving, following, node),
-            jnp.where(moving, following_seconds, seconds),
-            waiting | (moving & visit & ~internal),
-        )
-
-    def leave(self, node, seconds, waiting):
-        """After a visit: lanes that waited at a leaf skip past it."""
-        skipped, skipped_seconds = self.skip(node, seconds)
-        return (
-            jnp.where(waiting, skipped, node),
-            jnp.where(waiting, skipped_seconds, seconds),
-            jnp.zeros_like(waiting),
-        )
+        internal = self.is_internal(node)
+        return jnp.where(internal, following, node), jnp.where(internal, node, previous)
 
     def leaf_entries(self, x, node):
         """The powered distances and indices of leaf `node`'s points (padding slots
-        `(inf, n)`) and which leaf it is (clamped: any other node reads some leaf)."""
+        `(inf, n)`), whether `node` is a leaf, which leaf (clamped) and the walk's
+        position after it."""
         tree = self.tree
+        at_leaf = node >= self.first_leaf
         leaf = jnp.clip(node - self.first_leaf, 0, tree.num_leaves - 1)
         start = leaf * tree.leaf_size
         points = lax.dynamic_slice_in_dim(tree.leaf_points, start, tree.leaf_size)
@@ -375,84 +299,27 @@ class _Steps(eqx.Module):
             self.metric.leaf_distances(x, points, self.period),
             jnp.inf,
         )
-        return d2, indices, leaf
+        after = jnp.where(at_leaf, (node - 1) >> 1, node)
+        return d2, indices, at_leaf, leaf, after
 
-    def visit(self, x, visitor, state, node, waiting):
-        """Folds the points of leaf `node` into the state where the lane is
-        `waiting` there; otherwise changes nothing. Returns the state and the
+    def visit(self, x, visitor, state, node):
+        """Folds the points of leaf `node` into the state; any other node changes
+        nothing. Returns the state, the walk's position after the leaf and the
         records the leaf emits (`None` if the visitor emits none)."""
-        d2, indices, leaf = self.leaf_entries(x, node)
+        d2, indices, at_leaf, leaf, after = self.leaf_entries(x, node)
         visited = visitor.visit_leaf(state, d2, indices)
-        state = jax.tree.map(lambda v, s: jnp.where(waiting, v, s), visited, state)
+        state = jax.tree.map(lambda v, s: jnp.where(at_leaf, v, s), visited, state)
         emitted = visitor.leaf_records(d2, indices, leaf)
         if emitted is not None:
             emits, records, weights = emitted
             if weights is not None:
-                weights = jnp.where(waiting, weights, 0)
-            emitted = (emits & waiting, records, weights)
-        return state, emitted
-
-
-class _ChildOrder(eqx.Module):
-    """Which child of each internal node a walk enters first.
-
-    Two orders, both planes per node, the right child first beyond them. By the
-    split: the plane between the children (the build splits at a median, so along
-    one dimension the children's boxes do not overlap; the plane lies midway across
-    that gap), which costs a step two gathers. By the centres: the plane that
-    bisects the two boxes' centres, so the child whose centre is nearer comes first
-    (`d + 1` gathers). Far from the points, the split planes led queries into
-    subtrees far from them (points on a curve: ten times the leaves); the centres
-    alone cost queries among the points 10 % more steps (`benchmarks/walk_order.py`).
-    So a walk far from the points orders by the centres where the query lies
-    outside a node's box, and by the split otherwise. Any order gives the same
-    answers: it only decides how soon the walk's bound tightens.
-
-    A row per internal node and a spare one, so that a tree of one leaf has
-    something to gather. An empty right child (padding) never comes first.
-    """
-
-    split_dims: Int[Array, " rows"]
-    split_values: Float[Array, " rows"]
-    normals: Float[Array, "d rows"]
-    offsets: Float[Array, " rows"]
-
-    def __init__(self, lo: Float[Array, "nodes d"], hi: Float[Array, "nodes d"]):
-        left_lo, left_hi = _with_spare_row(lo[1::2]), _with_spare_row(hi[1::2])
-        right_lo, right_hi = _with_spare_row(lo[2::2]), _with_spare_row(hi[2::2])
-        dims = jnp.argmax(right_lo - left_hi, axis=1).astype(jnp.int32)
-        middles = jnp.take_along_axis(right_lo + left_hi, dims[:, None], axis=1) / 2
-        self.split_dims, self.split_values = dims, middles[:, 0]
-        # Nearer the right centre `c_r` than the left `c_l` where
-        # `x . (c_r - c_l) > (|c_r|^2 - |c_l|^2) / 2`.
-        left, right = (left_lo + left_hi) / 2, (right_lo + right_hi) / 2
-        normals = right - left
-        offsets = (jnp.sum(right * right, axis=1) - jnp.sum(left * left, axis=1)) / 2
-        usable = jnp.all(jnp.isfinite(normals), axis=1) & jnp.isfinite(offsets)
-        self.normals = jnp.where(usable[:, None], normals, 0).T
-        self.offsets = jnp.where(usable, offsets, jnp.inf)
-
-    def beyond_split(self, x: Float[Array, " d"], node: Int[Array, ""]):
-        dim = gather_clamped(self.split_dims, node)
-        coordinate = x[0]
-        for axis in range(1, x.shape[-1]):
-            coordinate = jnp.where(dim == axis, x[axis], coordinate)
-        return coordinate > gather_clamped(self.split_values, node)
-
-    def nearer_right_centre(self, x: Float[Array, " d"], node: Int[Array, ""]):
-        projection = x[0] * gather_clamped(self.normals[0], node)
-        for axis in range(1, x.shape[-1]):
-            projection = projection + x[axis] * gather_clamped(self.normals[axis], node)
-        return projection > gather_clamped(self.offsets, node)
-
-
-def _with_spare_row(rows: Array) -> Array:
-    return jnp.concatenate([rows, jnp.zeros((1, *rows.shape[1:]), rows.dtype)])
+                weights = jnp.where(at_leaf, weights, 0)
+            emitted = (emits & at_leaf, records, weights)
+        return state, after, emitted
 
 
 def walk(tree, x: Query, visitor: AbstractVisitor, metric: Minkowski) -> _State:
-    """Runs `visitor` over every leaf it does not prune, depth first from the first
-    leaf of `x`'s walk (`_Steps.start_leaf`).
+    """Runs `visitor` over every leaf it does not prune, nearest subtrees first.
 
     The visitor sees `metric`'s powered distances in the tree's search coordinates,
     which are scaled by `tree.scale`: express its thresholds with
@@ -460,31 +327,23 @@ def walk(tree, x: Query, visitor: AbstractVisitor, metric: Minkowski) -> _State:
     """
     steps = _Steps(tree, metric)
     x = steps.search_point(x)
-    near_leaf = steps.start_leaf(x, False)
-    far = steps.is_far(x, near_leaf)
-    first_leaf = jnp.where(far, steps.start_leaf(x, far), near_leaf)
 
     def to_next_leaf(carry):
         def move(c):
-            node, seconds, waiting, state = c
-            walker = steps.move(x, visitor, state, node, seconds, waiting, far)
-            return (*walker, state)
+            node, previous, state = c
+            return (*steps.move(x, visitor, state, node, previous), state)
 
-        return lax.while_loop(lambda c: (c[0] >= 0) & ~c[2], move, carry)
+        return lax.while_loop(lambda c: steps.is_internal(c[0]), move, carry)
 
     def visit_then_move_on(carry):
-        node, seconds, waiting, state = carry
-        state, _ = steps.visit(x, visitor, state, node, waiting)
-        return to_next_leaf((*steps.leave(node, seconds, waiting), state))
+        node, _, state = carry
+        state, parent, _ = steps.visit(x, visitor, state, node)
+        return to_next_leaf((parent, node, state))
 
-    start = (
-        first_leaf,
-        jnp.zeros((), jnp.uint32),
-        jnp.ones((), bool),
-        visitor.init(),
-    )
-    walked = lax.while_loop(lambda c: c[0] >= 0, visit_then_move_on, start)
-    return walked[3]
+    index_dtype = tree.leaf_indices.dtype
+    root = (jnp.array(0, index_dtype), jnp.array(-1, index_dtype), visitor.init())
+    walked = lax.while_loop(lambda c: c[0] >= 0, visit_then_move_on, to_next_leaf(root))
+    return walked[2]
 
 
 def morton_codes(
@@ -579,32 +438,18 @@ def walk_many(
     lanes = min(lanes, q)
     steps_per_visit = step_cap()
     steps = _Steps(tree, metric, node_keys)
-    move = jax.vmap(steps.move, in_axes=(0, visitor_axis, 0, 0, 0, 0, 0))
-    move_near = jax.vmap(steps.move, in_axes=(0, visitor_axis, 0, 0, 0, 0))
-    visit = jax.vmap(steps.visit, in_axes=(0, visitor_axis, 0, 0, 0))
-    leave = jax.vmap(steps.leave)
+    move = jax.vmap(steps.move, in_axes=(0, visitor_axis, 0, 0, 0))
+    visit = jax.vmap(steps.visit, in_axes=(0, visitor_axis, 0, 0))
 
-    def advance(x, visitor, state, far, node, seconds, waiting):
+    def advance(x, visitor, state, node, previous):
         """Moves every lane `steps_per_visit` steps towards its next leaf (lanes that
         reach it wait there). Nearly always some lane needs them all, so the loop does
-        not test for an early end. While no lane walks far from the points, the
-        steps skip the gathers of the centres' order."""
+        not test for an early end."""
 
-        def far_steps(walker):
-            def one_step(_, c):
-                node, seconds, waiting = c
-                return move(x, visitor, state, node, seconds, waiting, far)
+        def one_step(_, c):
+            return move(x, visitor, state, *c)
 
-            return lax.fori_loop(0, steps_per_visit, one_step, walker)
-
-        def near_steps(walker):
-            def one_step(_, c):
-                return move_near(x, visitor, state, *c)
-
-            return lax.fori_loop(0, steps_per_visit, one_step, walker)
-
-        walker = (node, seconds, waiting)
-        return lax.cond(jnp.any(far & (node >= 0)), far_steps, near_steps, walker)
+        return lax.fori_loop(0, steps_per_visit, one_step, (node, previous))
 
     points = jax.vmap(steps.search_point)(x)
     # Position `i` along the curve is row `order[i]` of the input.
@@ -619,32 +464,24 @@ def walk_many(
     points = _rows(points, order)
     if visitor_axis is not None:
         visitors = _rows(visitors, order)
-    # Every walk starts at its first leaf, found for all queries at once. The walk
+    # Every walk starts at its nearest leaf, found for all queries at once. The walk
     # from the root would stop on the way there only where the visitor prunes, and
     # visiting a leaf it would prune changes no state.
-    first_node = jax.vmap(steps.start_leaf, in_axes=(0, None))(points, False)
-    far = jax.vmap(steps.is_far)(points, first_node)
-    first_node = lax.cond(
-        jnp.any(far),
-        lambda: jnp.where(far, jax.vmap(steps.start_leaf)(points, far), first_node),
-        lambda: first_node,
-    )
+    first_node = jax.vmap(steps.nearest_leaf)(points)
 
-    def take_next(position, finished, walker, state):
+    def take_next(position, finished, node, state):
         """Lanes that finished start their next query, at `position` along the curve,
         or go idle when they have none left."""
-        node, seconds, waiting = walker
-        fresh_node = jnp.where(
-            position < walked, gather_clamped(first_node, position), _IDLE
+        node = jnp.where(
+            finished,
+            jnp.where(position < walked, gather_clamped(first_node, position), _IDLE),
+            node,
         )
-        node = jnp.where(finished, fresh_node, node)
-        seconds = jnp.where(finished, 0, seconds)
-        waiting = jnp.where(finished, node >= 0, waiting)
         fresh = init(position)
         state = jax.tree.map(
             lambda f, s: jnp.where(_along(finished, s), f, s), fresh, state
         )
-        return (node, seconds, waiting), state
+        return node, state
 
     def finish(out, finished, position, state):
         """The answers with those of the lanes that `finished` written (or added)."""
@@ -662,7 +499,7 @@ def walk_many(
     per_visit = visitors.leaves_per_visit(tree.leaf_size)
     assert per_visit == 1 or sink is None, "emitting visitors visit leaf by leaf"
 
-    def visit_several(x, visitor, state, far, walker):
+    def visit_several(x, visitor, state, node, previous):
         """Each lane's next `per_visit` leaves, gathered while the walk moves on with
         the state as it was, then folded in at once: for the k nearest, one merge
         of several leaves costs about what one leaf's did (k = 512: the 9 stages of
@@ -674,57 +511,62 @@ def walk_many(
         )
 
         def gather(r, carry):
-            walker, d2s, indices = carry
-            node, _, waiting = walker
-            d2, index, _ = entries(x, node)
-            # A lane not waiting at a leaf contributes padding: it changes no state.
-            padding = ~waiting[:, None]
+            node, previous, d2s, indices = carry
+            d2, index, at_leaf, _, after = entries(x, node)
+            # A lane not at a leaf contributes padding, which changes no state.
+            padding = ~at_leaf[:, None]
             d2s = lax.dynamic_update_slice_in_dim(
                 d2s, jnp.where(padding, jnp.inf, d2), r * size, axis=1
             )
             indices = lax.dynamic_update_slice_in_dim(
                 indices, jnp.where(padding, tree.n, index), r * size, axis=1
             )
-            walker = advance(x, visitor, state, far, *leave(*walker))
-            return walker, d2s, indices
+            previous = jnp.where(at_leaf, node, previous)
+            node, previous = advance(x, visitor, state, after, previous)
+            return node, previous, d2s, indices
 
-        shape = (walker[0].shape[0], per_visit * size)
+        shape = (node.shape[0], per_visit * size)
         empty = (
             jnp.full(shape, jnp.inf, steps.tree.leaf_points.dtype),
             jnp.full(shape, tree.n, index_dtype),
         )
-        walker, d2, index = lax.fori_loop(0, per_visit, gather, (walker, *empty))
-        return fold(visitor, state, d2, index), walker
+        node, previous, d2, index = lax.fori_loop(
+            0, per_visit, gather, (node, previous, *empty)
+        )
+        return fold(visitor, state, d2, index), node, previous
 
     def step(carry):
-        position, walker, state, out, sink = carry
+        position, node, previous, state, out, sink = carry
         xl, visitor = _rows(points, position), visitors_at(position)
-        far_lanes = gather_clamped(far, position)
         if per_visit > 1:
-            state, walker = visit_several(xl, visitor, state, far_lanes, walker)
+            state, node, previous = visit_several(xl, visitor, state, node, previous)
         else:
-            node, _, waiting = walker
-            state, emitted = visit(xl, visitor, state, node, waiting)
+            state, node_after, emitted = visit(xl, visitor, state, node)
             if sink is not None:
                 assert emitted is not None, "a walk with a sink needs emitting visitors"
                 sink = sink.appended(*emitted)
-            walker = advance(xl, visitor, state, far_lanes, *leave(*walker))
-        finished = walker[0] == -1
+            previous = jnp.where(node >= steps.first_leaf, node, previous)
+            node, previous = advance(xl, visitor, state, node_after, previous)
+        finished = node == -1
         out = finish(out, finished, position, state)
         position = jnp.where(finished, position + lanes, position)
-        walker, state = take_next(position, finished, walker, state)
-        return position, walker, state, out, sink
+        node, state = take_next(position, finished, node, state)
+        return position, node, previous, state, out, sink
 
     lane = jnp.arange(lanes, dtype=index_dtype)
     if summed:
         answers = _sum_over_queries(init(lane[:1]))
     else:  # by input row; every row is written once
         answers = init(jnp.arange(q, dtype=index_dtype))
-    # Each lane's walker: `(node, seconds, waiting)`, as `_Steps.move` takes them.
-    start = jnp.where(lane < walked, first_node[:lanes], _IDLE)
-    walker = (start, jnp.zeros(lanes, jnp.uint32), start >= 0)
-    carry = (lane, walker, init(lane), answers, sink)
-    _, _, _, answers, sink = lax.while_loop(
+    carry = (
+        lane,
+        jnp.where(lane < walked, first_node[:lanes], _IDLE),
+        jnp.full(lanes, -1, index_dtype),
+        init(lane),
+        answers,
+        sink,
+    )
+    _, _, _, _, answers, sink = lax.while_loop(
         lambda c: jnp.min(c[0]) < walked, step, carry
     )
     return answers, sink

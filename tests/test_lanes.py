@@ -8,6 +8,7 @@ and the last set of queries is partial.
 
 import equinox as eqx
 import jax
+import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -148,6 +149,36 @@ def test_answers_do_not_depend_on_the_step_cap(monkeypatch, cap):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("d", [3, 8])
+def test_walks_start_on_the_path_their_moves_take(d):
+    """A walk starts at the leaf its descent chose and, climbing from it, takes each
+    child it comes from for the near one: the descent (summed by additions, for
+    speed) must choose every near child as the moves (summed by a reduction) do, to
+    the last bit, or a near sibling would be skipped."""
+    rng = np.random.default_rng(d)
+    points = clustered(rng, 5000, d).astype(np.float32)
+    x = rng.uniform(-0.5, 1.5, (50_000, d)).astype(np.float32)
+    tree = kdeqx.KDTree(points)
+
+    @jax.jit
+    def starts_and_paths(tree, x):
+        steps = _traverse._Steps(tree, Minkowski(2.0))
+        x = jax.vmap(steps.search_point)(x)
+
+        def down_as_the_moves(x):
+            node = jnp.zeros((), tree.leaf_indices.dtype)
+            return lax.while_loop(
+                lambda node: steps.is_internal(node),
+                lambda node: steps.children(x, node)[0],
+                node,
+            )
+
+        return jax.vmap(steps.nearest_leaf)(x), jax.vmap(down_as_the_moves)(x)
+
+    starts, paths = starts_and_paths(tree, x)
+    np.testing.assert_array_equal(starts, paths)
+
+
 class _CountPoints(_traverse.AbstractVisitor):
     """Counts how often each point is visited; prunes nothing."""
 
@@ -167,12 +198,11 @@ class _CountPoints(_traverse.AbstractVisitor):
 @pytest.mark.parametrize("queries", [5, Q])
 @pytest.mark.parametrize("d", [2, 8])
 @pytest.mark.parametrize("away", [0.0, 50.0])
-def test_walks_visit_every_leaf_once(n, queries, d, away):
+def test_walks_visit_every_point_once(n, queries, d, away):
     """A walk that prunes nothing visits every point exactly once, whichever leaf
-    it starts at: its skips over finished subtrees miss none and repeat none (with
-    one set of lanes and with refilled lanes, in trees of one leaf, of padded
-    leaves and of several levels; among the points and far from them, where the
-    walk orders children otherwise)."""
+    it starts at: it misses no subtree and repeats none (with one set of lanes and
+    with refilled lanes, in trees of one leaf, of padded leaves and of several
+    levels; among the points and far from them)."""
     rng = np.random.default_rng(n + d)
     points = clustered(rng, n, d).astype(np.float32)
     x = rng.uniform(-0.5, 1.5, (queries, d)).astype(np.float32) + away
@@ -181,21 +211,3 @@ def test_walks_visit_every_leaf_once(n, queries, d, away):
         tree, x, _CountPoints(n), Minkowski(2.0), None
     )
     np.testing.assert_array_equal(counts[:, :n], 1)
-
-
-def test_walks_start_in_the_cell_of_their_query():
-    """The first leaf of a walk is the one whose cell holds the query: the nearest
-    point of a query at a data point is found in the first leaf."""
-    rng = np.random.default_rng(3)
-    points = rng.uniform(size=(5000, 3)).astype(np.float32)
-    tree = kdeqx.KDTree(points)
-
-    @jax.jit
-    def first_leaves(tree, x):
-        steps = _traverse._Steps(tree, Minkowski(2.0))
-        x = jax.vmap(steps.search_point)(x)
-        return jax.vmap(steps.start_leaf, in_axes=(0, None))(x, False)
-
-    leaves = np.asarray(first_leaves(tree, points[:500])) - (tree.num_leaves - 1)
-    slots = np.asarray(tree.leaf_indices).reshape(tree.num_leaves, -1)
-    assert all(i in slots[leaf] for i, leaf in enumerate(leaves))
