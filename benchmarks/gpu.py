@@ -1,7 +1,7 @@
 """The GPU check: the seed user's size on one accelerator, against brute force there.
 
     python benchmarks/gpu.py [--n 1.4e7] [--queries 1e6] [--k 8] [--small-n 1e6]
-        [--series-n 1024] [--pairs-n 1e6]
+        [--series-n 1024] [--pairs-n 1e6] [--local-n 1e6] [--local-queries 1e5]
 
 Builds a tree over n uniform 3-D float32 points, answers Q queries, and times both
 beside a chunked brute-force kNN (distance matrix + `lax.top_k`) on the same device,
@@ -13,8 +13,10 @@ backend chose. Last, `kdeqx.OperatorSeries` in float64 with a driven Hamiltonian
 H0 + cos(t) H1: the factored path against the general one at n = 64, K = 20, then
 n = `--series-n` (1024), K = 40 against K commutators with the constant H0 on the
 device. Then `query_pairs` at `--pairs-n` points, about 10 neighbours each, its count
-checked against `count_neighbors`. Run it once per device session and paste the
-output into `benchmarks/RESULTS.md`. (jaxkd is compared only where it is installed.)
+checked against `count_neighbors`, and the local fits of `interpolate.py` (k = 32:
+`rbf`, `mls`, IDW) beside scipy's `RBFInterpolator` on the host. Run it once per
+device session and paste the output into `benchmarks/RESULTS.md`. (jaxkd is compared
+only where it is installed.)
 """
 
 import argparse
@@ -24,6 +26,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from scipy.interpolate import RBFInterpolator
 
 import kdeqx
 
@@ -41,7 +44,9 @@ def timed(fn, repeats=3):
 @eqx.filter_jit
 def brute_force(points, x, k, chunk):
     def one_chunk(xc):
-        d2 = jnp.sum(xc * xc, -1)[:, None] - 2 * xc @ points.T + jnp.sum(points**2, -1)
+        # Differences, not |x|^2 - 2 x.p + |p|^2: that expansion loses the small
+        # distances of a dense cloud to cancellation (and to TF32 products on a GPU).
+        d2 = jnp.sum((xc[:, None, :] - points[None, :, :]) ** 2, -1)
         return jax.lax.top_k(-d2, k)
 
     distances2, indices = jax.lax.map(one_chunk, x.reshape(-1, chunk, x.shape[-1]))
@@ -57,6 +62,8 @@ def main():
     parser.add_argument("--small-n", type=float, default=1e6)
     parser.add_argument("--series-n", type=int, default=1024)
     parser.add_argument("--pairs-n", type=float, default=1e6)
+    parser.add_argument("--local-n", type=float, default=1e6)
+    parser.add_argument("--local-queries", type=float, default=1e5)
     args = parser.parse_args()
     n, q, k = int(args.n), int(args.queries), args.k
     device = jax.devices()[0]
@@ -84,7 +91,8 @@ def main():
     # Brute force over a subset of the queries (it is O(Q n)), scaled to Q.
     qb = int(args.brute_queries)
     xb = x[:qb]
-    (bd, _), brute_time = timed(lambda: brute_force(points, xb, k, 1000), repeats=1)
+    # Chunks of 100 queries: a (100, n) distance block is 5.6 GB at n = 1.4e7.
+    (bd, _), brute_time = timed(lambda: brute_force(points, xb, k, 100), repeats=1)
     scaled = brute_time * q / qb
     print(f"brute force: {brute_time:.3f} s for {qb:,} queries -> {scaled:.2f} s for Q")
     print(f"kdeqx / brute force (per query): {query_time / scaled:.4f}")
@@ -104,6 +112,7 @@ def main():
         print("jaxkd: not installed, not compared")
 
     pairs_on_device(int(args.pairs_n))
+    local_fits(int(args.local_n), int(args.local_queries))
     operator_series(args.series_n)
 
 
@@ -125,6 +134,60 @@ def pairs_on_device(n):
         f"query_pairs n={n:,} r={r:.4f}: first call {first:.3f} s, steady "
         f"{steady:.4f} s, {int(count):,} pairs; count_neighbors agrees: "
         f"{2 * int(count) + n == int(ordered)}"
+    )
+
+
+def local_fits(n, q, budgets=(2**24, 2**27, 2**30)):
+    """Local fits at k = 32 (`benchmarks/interpolate.py` part 3) on the device:
+    kdeqx's `rbf` (thin-plate spline, degree 1), `mls` and IDW in float32, beside
+    scipy's `RBFInterpolator(neighbors=32)` in float64 on this machine's CPU (one
+    thread: it has no `workers`), timed once. RMSE against the smooth field; the
+    `rbf` agrees when its RMSE is within 5 % of scipy's. Then `rbf` with other
+    memory budgets for the queries fitted at once (`kdeqx._backend.fit_chunk`; the
+    CPU always fits 2,048)."""
+    from interpolate import kdeqx_kernels, LOCAL_K, rmse, smooth_field
+
+    from kdeqx import _backend
+
+    rng = np.random.default_rng(0)
+    points, x = rng.random((n, 3)), rng.random((q, 3))
+    values, truth = smooth_field(points), smooth_field(x)
+    scipy_rbf = RBFInterpolator(points, values, neighbors=LOCAL_K)
+    start = time.perf_counter()
+    scipy_estimate = scipy_rbf(x)
+    scipy_time = time.perf_counter() - start
+    scipy_rmse = rmse(scipy_estimate, truth)
+    print(
+        f"local fits n={n:,} Q={q:,} k={LOCAL_K}: scipy RBF (CPU, 1 thread) "
+        f"{scipy_time:.2f} s, RMSE {scipy_rmse:.2e}"
+    )
+    tree = eqx.filter_jit(kdeqx.KDTree)(points.astype(np.float32))
+    x32, values32 = jnp.asarray(x, jnp.float32), jnp.asarray(values, jnp.float32)
+    for name, fn in kdeqx_kernels(LOCAL_K).items():
+        start = time.perf_counter()
+        estimate = jax.block_until_ready(fn(tree, x32, values32))
+        first = time.perf_counter() - start
+        _, seconds = timed(lambda: fn(tree, x32, values32))
+        error = rmse(estimate, truth)
+        line = (
+            f"  {name:<18} first call {first:.2f} s, steady {seconds:.4f} s "
+            f"({scipy_time / seconds:.0f}x scipy), RMSE {error:.2e}"
+        )
+        if name.startswith("rbf"):
+            line += f"; rbf agrees with scipy: {error <= 1.05 * scipy_rmse}"
+        print(line)
+    chosen, times = _backend._ACCELERATOR_FIT_BYTES, []
+    rbf = dict(k=LOCAL_K, kernel="rbf")
+    system = (LOCAL_K + 4) ** 2 * 4  # thin-plate spline, degree 1, 3-D, float32
+    for budget in budgets:
+        _backend._ACCELERATOR_FIT_BYTES = budget  # read when traced: trace afresh
+        fit = eqx.filter_jit(lambda tree, x, v: tree.interpolate(x, v, **rbf))
+        _, seconds = timed(lambda: fit(tree, x32, values32))
+        times.append(f"{_backend.fit_chunk(system)}: {seconds:.4f} s")
+    _backend._ACCELERATOR_FIT_BYTES = chosen
+    print(
+        f"  rbf by queries fitted at once (chosen: {_backend.fit_chunk(system)}): "
+        f"{', '.join(times)}"
     )
 
 

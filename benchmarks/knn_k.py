@@ -2,7 +2,7 @@
 
     python benchmarks/knn_k.py [--n 1e5] [--queries 1e4] [--k 8 32 128 512]
         [--data uniform clustered clustered-inside surface line] [--cpu-devices 2]
-        [--peers pykdtree]
+        [--peers pykdtree] [--leaf-size 32]
 
 For each k: kdeqx, scipy's cKDTree with workers=1 and workers=-1, and pykdtree (if
 installed, `pip install -e ".[bench]"`), on the same data in one process, best of
@@ -97,6 +97,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--data", nargs="+", default=["uniform"], choices=list(DATA))
     parser.add_argument("--cpu-devices", type=int, default=1)
+    parser.add_argument("--leaf-size", type=int, default=None)
     # scipy takes minutes for queries far from a sheet or a curve; leave it out there.
     parser.add_argument(
         "--peers", nargs="+", default=["scipy w=1", "scipy w=-1", "pykdtree"]
@@ -113,9 +114,10 @@ def run(args, data):
     print(
         f"{jax.device_count()} x {jax.devices()[0].device_kind}, jax "
         f"{jax.__version__}; n = {len(points):,}, Q = {len(x):,}, d = {args.d}, "
-        f"float32 {data}"
+        f"float32 {data}, leaf size {args.leaf_size or 'default'}"
     )
-    tree = kdeqx.KDTree(points)
+    leaf = {} if args.leaf_size is None else dict(leaf_size=args.leaf_size)
+    tree = kdeqx.KDTree(points, **leaf)
     query = eqx.filter_jit(lambda t, x, k: t.query(x, k))
     peers = native_trees(points)
     for k in args.k:

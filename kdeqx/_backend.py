@@ -41,7 +41,8 @@ _CPU_MIN_LANES = 64
 
 # GPUs and TPUs: enough lanes to fill the device (an H200 keeps ~270k threads in
 # flight), as long as the lanes' states fit in this much memory, and the CPU's step
-# cap. Not yet measured: `benchmarks/gpu.py` times caps of 8, 16 and 32 there.
+# cap. On an H200 (n = 1.4e7, Q = 1e6, k = 8) caps of 8, 16 and 32 took 0.088, 0.088
+# and 0.089 s.
 _ACCELERATOR_MAX_LANES = 2**20
 _ACCELERATOR_STATE_BYTES = 2**30
 ACCELERATOR_STEPS = 16
@@ -61,6 +62,26 @@ def lane_count(state_bytes: int, backend: str | None = None) -> int:
         return min(CPU_LANES, 1 << (fit.bit_length() - 1))
     fit = min(_ACCELERATOR_MAX_LANES, _ACCELERATOR_STATE_BYTES // max(1, state_bytes))
     return max(CPU_LANES, 1 << (fit.bit_length() - 1) if fit > 0 else 0)
+
+
+# Local fits: how many queries' small dense systems are solved at once. On XLA:CPU
+# 2,048, so that no program holds two LAPACK batches of more than ~2,000 systems (they
+# can deadlock: `_dense.py`); elsewhere as many as fit this much memory, and at least
+# as many. On an H200 (n = 1e6, Q = 1e5, k = 32, `kernel="rbf"`), chunks of 2,048,
+# 16,384 and 131,072 queries took 0.058, 0.052 and 0.047 s.
+CPU_FIT_CHUNK = 2048
+_ACCELERATOR_FIT_BYTES = 2**30
+
+
+def fit_chunk(system_bytes: int, backend: str | None = None) -> int:
+    """How many local systems of `system_bytes` each to solve at once: `CPU_FIT_CHUNK`
+    on the CPU, elsewhere a power of two `>= CPU_FIT_CHUNK` whose systems fit in
+    `_ACCELERATOR_FIT_BYTES`. `backend` as in `lane_count`."""
+    backend = jax.default_backend() if backend is None else backend
+    if backend == "cpu":
+        return CPU_FIT_CHUNK
+    fit = _ACCELERATOR_FIT_BYTES // max(1, system_bytes)
+    return max(CPU_FIT_CHUNK, 1 << (fit.bit_length() - 1) if fit > 0 else 0)
 
 
 def step_cap(backend: str | None = None) -> int:

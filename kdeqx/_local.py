@@ -12,6 +12,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from . import _backend
 from ._custom_types import Array, Float, Int
 from ._mesh import cpu_devices_for, split_rows_over
 from ._metric import EUCLIDEAN, minimum_image, Minkowski, unit_exponent
@@ -19,10 +20,6 @@ from ._metric import EUCLIDEAN, minimum_image, Minkowski, unit_exponent
 
 if TYPE_CHECKING:
     from ._tree import AbstractKDTree
-
-
-# Queries fitted at once: bounds the `(chunk, k, k)` temporaries of a local RBF.
-_CHUNK = 2048
 
 
 class AbstractLocalFit(eqx.Module):
@@ -131,14 +128,18 @@ def _fit_in_unit(fit: AbstractLocalFit, offsets, values, columns):
 
 
 def _map_in_chunks(fn, arrays):
-    """`vmap(fn)` over the leading axis, in sequential chunks of at most `_CHUNK`.
+    """`vmap(fn)` over the leading axis of `(offsets, values, columns)`, in sequential
+    chunks of at most `_backend.fit_chunk` queries (sized by a `(k + r) x (k + r)`
+    system: it bounds the temporaries of a local RBF).
 
     The queries are padded (with copies of the first) to whole chunks rather than
     leaving a remainder: a remainder is a second, independent batch of LAPACK solves,
     and two of those in one program can deadlock on XLA:CPU (see `_dense.py`).
     """
-    q = arrays[0].shape[0]
-    chunk = max(1, min(_CHUNK, q))
+    offsets, _, columns = arrays
+    q, k = offsets.shape[:2]
+    system = (k + columns.shape[-1]) ** 2 * offsets.dtype.itemsize
+    chunk = max(1, min(_backend.fit_chunk(system), q))
     chunks = -(-q // chunk)
     padded = [
         jnp.concatenate(

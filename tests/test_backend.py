@@ -188,6 +188,15 @@ def test_lane_count_per_backend():
     assert _backend.lane_count(64, "gpu") == 2**20
 
 
+def test_fit_chunk_per_backend():
+    assert _backend.fit_chunk(36 * 36 * 4, "cpu") == _backend.CPU_FIT_CHUNK == 2048
+    assert _backend.fit_chunk(36 * 36 * 4, "gpu") == 2**17  # k = 32: 680 MB of systems
+    for system_bytes in (1, 5184, 2**20, 2**40):
+        chunk = _backend.fit_chunk(system_bytes, "tpu")
+        assert chunk & (chunk - 1) == 0  # a power of two
+        assert chunk == 2048 or (chunk > 2048 and chunk * system_bytes <= 2**30)
+
+
 def test_step_cap_per_backend(monkeypatch):
     monkeypatch.setattr(_backend, "ACCELERATOR_STEPS", 7)
     assert _backend.step_cap("cpu") == _backend.CPU_STEPS == 16

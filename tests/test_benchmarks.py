@@ -15,6 +15,7 @@ from .helpers import environment_with_xla_defaults
 SCRIPT = pathlib.Path(__file__).parent.parent / "benchmarks" / "gpu.py"
 SMALL = ["--n", "2e4", "--queries", "2e3", "--brute-queries", "1000"]
 SMALL += ["--small-n", "1e4", "--series-n", "32", "--pairs-n", "1e4"]
+SMALL += ["--local-n", "2e4", "--local-queries", "2e3"]
 
 
 def test_gpu_script_runs_and_its_answers_agree():
@@ -28,8 +29,9 @@ def test_gpu_script_runs_and_its_answers_agree():
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     # Every comparison the script makes: against brute force (three), the step caps'
-    # answers against the chosen one's, and the pair count against `count_neighbors`.
-    verdicts = re.findall(r"(?:agree|agrees)(?: with brute force)?: (\w+)", output)
-    assert verdicts == ["True"] * 5, output
+    # answers against the chosen one's, the pair count against `count_neighbors` and
+    # the local RBF's accuracy against scipy's.
+    verdicts = re.findall(r"agrees?(?: with brute force| with scipy)?: (\w+)", output)
+    assert verdicts == ["True"] * 6, output
     differences = re.findall(r"max rel diff ([0-9.e+-]+)", output)
     assert len(differences) == 1 and float(differences[0]) < 1e-10, output

@@ -48,6 +48,23 @@ _RBF_CASES = [
 
 
 @pytest.mark.x64
+@pytest.mark.parametrize("kernel", ["rbf", "mls"])
+def test_fits_do_not_depend_on_the_chunk(monkeypatch, kernel):
+    """Queries fitted in chunks of 7 (the last padded) give what one chunk gives, up
+    to rounding (float64: a batch of another size may be compiled differently)."""
+    from kdeqx import _backend
+
+    points, values, x = _data(q=30)
+    tree = kdeqx.KDTree(points)
+    fit = eqx.filter_jit(lambda t, x, v: t.interpolate(x, v, k=12, kernel=kernel))
+    whole = fit(tree, x, values)
+    monkeypatch.setattr(_backend, "CPU_FIT_CHUNK", 7)  # read when traced
+    chunked = eqx.filter_jit(lambda t, x, v: t.interpolate(x, v, k=12, kernel=kernel))
+    np.testing.assert_allclose(chunked(tree, x, values), whole, rtol=1e-9)
+    assert not np.allclose(whole[:-1], whole[1:])  # distinct answers per query
+
+
+@pytest.mark.x64
 @pytest.mark.parametrize("rbf, degree, epsilon", _RBF_CASES)
 def test_rbf_matches_scipy(rbf, degree, epsilon):
     points, values, x = _data()
