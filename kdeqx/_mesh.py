@@ -78,7 +78,9 @@ def split_over_cpu_devices(fn):
         devices = cpu_devices_for(tree, x)
         if len(devices) < 2:
             return fn(tree, x, threshold, *config)
-        threshold = jnp.asarray(threshold)
+        # Called eagerly, the tree (and queries committed to one device) go to every
+        # device without copies; inside a `jit` the caller's, a copy each call.
+        tree, x, threshold = shared_with_cpu_devices((tree, x, jnp.asarray(threshold)))
         return _split_queries(fn, tuple(devices), tree, x, threshold, config)
 
     return split
@@ -160,6 +162,44 @@ def cpu_devices_for(tree, x) -> list:
     return devices
 
 
+def shared_with_cpu_devices(arrays):
+    """`arrays` (a pytree) with each `jax.Array` on one device placed on every CPU
+    device without a copy, where the CPU has several devices; otherwise (under a
+    trace, inside a mesh, arrays already on several devices) as given.
+
+    A query split over the CPU's devices hands each device the tree, and a tree on
+    one device is copied to every other device on every call: 16 ms of a 77 ms kNN
+    query on 16 cores (n = 1e6, Q = 1e5, k = 8), 12 ms of 182 ms on 2. CPU devices
+    share the process's memory, so each device's buffer can alias the one array. If
+    any placement would copy instead (JAX aliases aligned buffers only), nothing is
+    placed: copies of a large tree would cost memory and gain nothing.
+    """
+    devices = jax.devices()
+    leaves = [a for a in jax.tree.leaves(arrays) if isinstance(a, jax.Array)]
+    if (
+        jax.default_backend() != "cpu"
+        or len(devices) < 2
+        or any(isinstance(a, jax.core.Tracer) for a in leaves)
+        or any(len(a.sharding.device_set) > 1 for a in leaves)
+        or not jax.sharding.get_abstract_mesh().empty
+    ):
+        return arrays
+    replicated = NamedSharding(Mesh(np.array(devices), ("cpu",)), PartitionSpec())
+    aliased = True
+
+    def share(array):
+        nonlocal aliased
+        view = np.asarray(array)
+        copies = [jax.device_put(view, device) for device in devices]
+        if view.size > 0:
+            pointer = view.ctypes.data
+            aliased &= all(c.unsafe_buffer_pointer() == pointer for c in copies)
+        return jax.make_array_from_single_device_arrays(array.shape, replicated, copies)
+
+    shared = jax.tree.map(lambda a: share(a) if isinstance(a, jax.Array) else a, arrays)
+    return shared if aliased else arrays
+
+
 def split_sum_over_cpu_devices(fn):
     """Wraps `fn(tree, queries, row_weights, *config)`, whose output is a sum over
     the queries in which each query counts `row_weights` times, so that the queries
@@ -172,6 +212,7 @@ def split_sum_over_cpu_devices(fn):
         devices = cpu_devices_for(tree, x)
         if len(devices) < 2:
             return fn(tree, x, row_weights, *config)
+        tree = shared_with_cpu_devices(tree)  # as in `split_over_cpu_devices`
         mesh = Mesh(np.array(devices), ("cpu",))
         q = x.shape[0]
         rows = q + (-q) % len(devices)

@@ -519,6 +519,7 @@ def check_cpu_split():
     from scipy.interpolate import RBFInterpolator
 
     import kdeqx
+    from kdeqx._mesh import shared_with_cpu_devices
 
     rng = np.random.default_rng(7)
     points = rng.random((3000, 3)).astype(np.float32)
@@ -546,6 +547,17 @@ def check_cpu_split():
     assert len(distances.sharding.device_set) == NUM_DEVICES, distances.sharding
     assert len(reference[0][0].sharding.device_set) == 1
     _assert_same(split.query(x, 5), one.query(x, 5))  # eagerly
+    # Queries the caller committed to one device: put beside the tree, not refused.
+    _assert_same(split.query(jax.device_put(x, jax.devices()[1]), 5), one.query(x, 5))
+    # Eagerly, the tree goes to every device as aliases of its one buffer per array.
+    shared = shared_with_cpu_devices(split)
+    arrays = [a for a in jax.tree.leaves(split) if eqx.is_array(a)]
+    for ours, original in zip(jax.tree.leaves(shared), arrays, strict=True):
+        assert len(ours.sharding.device_set) == NUM_DEVICES, ours.sharding
+        pointers = {s.data.unsafe_buffer_pointer() for s in ours.addressable_shards}
+        assert pointers == {original.unsafe_buffer_pointer()}
+    traced = jax.jit(lambda t: shared_with_cpu_devices(t).points.sum())
+    np.testing.assert_allclose(traced(split), points.sum(), rtol=1e-5)  # as given
 
     # Eager calls compile once (an eager `shard_map` used to compile on every call).
     def eagerly():
