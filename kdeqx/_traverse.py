@@ -8,8 +8,9 @@ whether the walk came down from the parent or up from a child, and which child i
 Many queries are walked by a fixed set of lanes (`walk_many`). A vmapped loop costs its
 slowest lane, so a lane whose query is finished takes its next one at once, instead of
 idling until the whole batch is done. Queries are sorted along a Morton curve and dealt
-out in turn (lane `l` walks queries `l`, `l + lanes`, ...), so the lanes at work at any
-time walk nearby parts of the tree, and each lane's share averages over the curve.
+out in that order as lanes finish (the lanes done in a step take the next queries, in
+lane order), so the lanes at work at any time walk nearby parts of the tree, and no
+lane is idle while queries wait.
 How many lanes, and how many steps a lane may take between two leaf visits, is backend
 tuning (`kdeqx._backend.lane_count` and `step_cap`).
 """
@@ -536,7 +537,7 @@ def walk_many(
         return fold(visitor, state, d2, index), node, previous
 
     def step(carry):
-        position, node, previous, state, out, sink = carry
+        position, next_free, node, previous, state, out, sink = carry
         xl, visitor = _rows(points, position), visitors_at(position)
         if per_visit > 1:
             state, node, previous = visit_several(xl, visitor, state, node, previous)
@@ -549,9 +550,16 @@ def walk_many(
             node, previous = advance(xl, visitor, state, node_after, previous)
         finished = node == -1
         out = finish(out, finished, position, state)
-        position = jnp.where(finished, position + lanes, position)
+        # Lanes that finished take the next queries along the curve, in lane order: a
+        # lane is never idle while queries wait, and the walk ends about one query's
+        # walk after the last was dealt. (Lanes dealt every `lanes`-th query ahead of
+        # time waited for the lane with the longest total: uniform k = 8 queries took
+        # 0.184 s against 0.157 s, on clustered data 0.672 s against 0.551 s.)
+        dealt = jnp.cumsum(finished, dtype=index_dtype)
+        position = jnp.where(finished, next_free + dealt - 1, position)
+        next_free = next_free + dealt[-1]
         node, state = take_next(position, finished, node, state)
-        return position, node, previous, state, out, sink
+        return position, next_free, node, previous, state, out, sink
 
     lane = jnp.arange(lanes, dtype=index_dtype)
     if summed:
@@ -560,13 +568,14 @@ def walk_many(
         answers = init(jnp.arange(q, dtype=index_dtype))
     carry = (
         lane,
+        jnp.asarray(lanes, index_dtype),
         jnp.where(lane < walked, first_node[:lanes], _IDLE),
         jnp.full(lanes, -1, index_dtype),
         init(lane),
         answers,
         sink,
     )
-    _, _, _, _, answers, sink = lax.while_loop(
+    _, _, _, _, _, answers, sink = lax.while_loop(
         lambda c: jnp.min(c[0]) < walked, step, carry
     )
     return answers, sink
