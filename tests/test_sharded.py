@@ -519,6 +519,7 @@ def check_cpu_split():
     from scipy.interpolate import RBFInterpolator
 
     import kdeqx
+    from kdeqx import _mesh
     from kdeqx._mesh import shared_with_cpu_devices
 
     rng = np.random.default_rng(7)
@@ -549,9 +550,13 @@ def check_cpu_split():
     _assert_same(split.query(x, 5), one.query(x, 5))  # eagerly
     # Queries the caller committed to one device: put beside the tree, not refused.
     _assert_same(split.query(jax.device_put(x, jax.devices()[1]), 5), one.query(x, 5))
-    # Eagerly, the tree goes to every device as aliases of its one buffer per array.
-    shared = shared_with_cpu_devices(split)
+    # Eagerly, a tree goes to every device as aliases of its one buffer per array;
+    # a small one (here 0.1 MB) stays as it is, unless forced.
     arrays = [a for a in jax.tree.leaves(split) if eqx.is_array(a)]
+    assert shared_with_cpu_devices(split) is split
+    _mesh._SHARE_FROM_BYTES, large = 0, _mesh._SHARE_FROM_BYTES
+    shared = shared_with_cpu_devices(split)
+    _mesh._SHARE_FROM_BYTES = large
     for ours, original in zip(jax.tree.leaves(shared), arrays, strict=True):
         assert len(ours.sharding.device_set) == NUM_DEVICES, ours.sharding
         pointers = {s.data.unsafe_buffer_pointer() for s in ours.addressable_shards}
