@@ -79,7 +79,7 @@ def split_over_cpu_devices(fn):
         if len(devices) < 2:
             return fn(tree, x, threshold, *config)
         # Called eagerly, the tree (and queries committed to one device) go to every
-        # device without copies; inside a `jit` the caller's, a copy each call.
+        # device without copies; inside the caller's `jit`, JAX copies the tree.
         tree, x, threshold = shared_with_cpu_devices((tree, x, jnp.asarray(threshold)))
         return _split_queries(fn, tuple(devices), tree, x, threshold, config)
 
@@ -184,7 +184,8 @@ def shared_with_cpu_devices(arrays):
     placed: copies of a large tree would cost memory and gain nothing.
     """
     devices = jax.devices()
-    leaves = [a for a in jax.tree.leaves(arrays) if isinstance(a, jax.Array)]
+    flat, structure = jax.tree.flatten(arrays)
+    leaves = [a for a in flat if isinstance(a, jax.Array)]
     if (
         jax.default_backend() != "cpu"
         or len(devices) < 2
@@ -196,23 +197,21 @@ def shared_with_cpu_devices(arrays):
     small = sum(a.nbytes for a in leaves) < _SHARE_FROM_BYTES
     if small and not any(getattr(a, "committed", True) for a in leaves):
         return arrays  # (arrays committed to one device are shared whatever their size)
-    replicated = NamedSharding(Mesh(np.array(devices), ("cpu",)), PartitionSpec())
     views = [np.asarray(a) for a in leaves]
     placed = [jax.device_put(views, device) for device in devices]  # one call each
-    pointers = [v.ctypes.data for v in views]
-    for copies in placed:
-        for view, pointer, copy in zip(views, pointers, copies, strict=True):
-            if view.size > 0 and copy.unsafe_buffer_pointer() != pointer:
-                return arrays  # copied, not aliased
+    if any(
+        view.size > 0 and copy.unsafe_buffer_pointer() != view.ctypes.data
+        for copies in placed
+        for view, copy in zip(views, copies, strict=True)
+    ):
+        return arrays  # copied, not aliased
+    replicated = NamedSharding(Mesh(np.array(devices), ("cpu",)), PartitionSpec())
     shared = iter(
-        jax.make_array_from_single_device_arrays(
-            view.shape, replicated, [copies[i] for copies in placed]
-        )
-        for i, view in enumerate(views)
+        jax.make_array_from_single_device_arrays(view.shape, replicated, list(copies))
+        for view, *copies in zip(views, *placed, strict=True)
     )
-    return jax.tree.map(
-        lambda a: next(shared) if isinstance(a, jax.Array) else a, arrays
-    )
+    flat = [next(shared) if isinstance(a, jax.Array) else a for a in flat]
+    return jax.tree.unflatten(structure, flat)
 
 
 def split_sum_over_cpu_devices(fn):
