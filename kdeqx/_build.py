@@ -98,10 +98,13 @@ def _split_level(level, orders, *, coords, n, depth, leaf_size):
 
     Nodes are aligned segments of `slots >> level` positions, and `orders[j]` lists each
     segment's slots sorted by coordinate `j`. The widest dimension's first half goes
-    left; every other order is then partitioned stably, so it stays sorted within both
-    halves. A prefix count and one scatter, no sort: the same program at every level.
+    left, which leaves its own order in place; every other order is then partitioned
+    stably, so it stays sorted within both halves. A prefix count and one scatter, no
+    sort: the same program at every level.
     """
     d, slots = orders.shape
+    if d == 1:
+        return orders  # the one order splits in place
     size = _segment_size(level, depth, leaf_size)
     widest = _widest_dimension(
         orders,
@@ -115,25 +118,68 @@ def _split_level(level, orders, *, coords, n, depth, leaf_size):
     position = jnp.arange(slots, dtype=orders.dtype)
     segment = _segment_of(position, level, depth, leaf_size)
     offset = position - segment * size  # within the segment
-    chosen_order = jnp.take_along_axis(orders, widest[segment][None], 0)[0]
+    widest = widest[segment]
+    chosen_order = jnp.take_along_axis(orders, widest[None], 0)[0]
     goes_left = (
         jnp.zeros(slots, bool)
         .at[chosen_order]
         .set(offset < size // 2, unique_indices=True)
     )
+    if d > _MOVE_OTHERS_UP_TO_D:
+        return _partitioned(orders, goes_left, offset, level, depth, leaf_size)
+    others = _without_widest(orders, widest)
+    moved = _partitioned(others, goes_left, offset, level, depth, leaf_size)
+    return _with_widest(moved, chosen_order, widest)
 
+
+# Up to this many dimensions a level moves only the orders it must (in 2-D, 3-D and
+# 4-D builds of 3e5 points on one core, 22 %, 13 % and 15 % faster than moving every
+# order); beyond it the selects that set the widest order aside cost what they save
+# (8-D 0.666 s against 0.670 s) and lengthen the compile.
+_MOVE_OTHERS_UP_TO_D = 4
+
+
+def _partitioned(rows, goes_left, offset, level, depth: int, leaf_size: int):
+    """Each row partitioned stably within each segment of `level`: the slots flagged
+    by `goes_left` first. A prefix count and one scatter, no sort."""
+    r, slots = rows.shape
+    size = _segment_size(level, depth, leaf_size)
+    position = jnp.arange(slots, dtype=rows.dtype)
     # A word never spans two segments: its width divides a pair of leaves.
     width = min(32, _lowest_bit(2 * leaf_size))
-    flags = goes_left[orders].reshape(d, slots // width, width)
+    flags = goes_left[rows].reshape(r, slots // width, width)
     left_rank = _left_ranks(flags, 2 * leaf_size // width, level, depth)
-    left_rank = left_rank.astype(orders.dtype)
+    left_rank = left_rank.astype(rows.dtype)
     offset = offset.reshape(slots // width, width)
     destination = (
         position.reshape(offset.shape)
         - offset
         + jnp.where(flags, left_rank, size // 2 + offset - left_rank)
     )
-    return move_rows(orders, destination.reshape(d, slots))
+    return move_rows(rows, destination.reshape(r, slots))
+
+
+def _without_widest(orders, widest):
+    """The `d - 1` orders other than each slot's widest dimension's, in order (by
+    selects: cheaper than a gather on XLA:CPU)."""
+    d = orders.shape[0]
+    return jnp.stack(
+        [jnp.where(j < widest, orders[j], orders[j + 1]) for j in range(d - 1)]
+    )
+
+
+def _with_widest(others, chosen_order, widest):
+    """The inverse of `_without_widest`: `chosen_order` back in the widest row."""
+    last = others.shape[0] - 1
+    rows = [
+        jnp.where(
+            j == widest,
+            chosen_order,
+            jnp.where(j < widest, others[min(j, last)], others[max(j - 1, 0)]),
+        )
+        for j in range(last + 2)
+    ]
+    return jnp.stack(rows)
 
 
 def _internal_boxes(lo, hi, min_index, depth):

@@ -132,3 +132,31 @@ def test_the_build_does_not_need_x64():
     np.testing.assert_array_equal(np.asarray(batched.leaf_indices[0]), expected)
     reversed_ = np.asarray(batched.leaf_indices[1])
     np.testing.assert_array_equal(np.sort(reversed_[reversed_ < 700]), np.arange(700))
+
+
+@pytest.mark.parametrize("dataset", list(DATASETS))
+@pytest.mark.parametrize("d", [1, 2, 3, 5])
+def test_every_node_splits_its_widest_dimension_at_its_median(dataset, d):
+    # Each node's first `size / 2` slots hold the points first in its widest dimension
+    # (ties by index): checked at every level against the points themselves.
+    n = 1000
+    points = DATASETS[dataset](np.random.default_rng(d), n, d).astype(np.float32)
+    tree = kdeqx.KDTree(points, leaf_size=4)
+    leaf_points, leaf_indices = _leaves_of(tree)
+    coords, indices = leaf_points.reshape(-1, d), leaf_indices.ravel()
+    size = indices.size
+    while size > tree.leaf_size:
+        for first in range(0, indices.size, size):
+            node = slice(first, first + size)
+            real = indices[node] < n
+            if not real.any():
+                continue
+            here, ids = coords[node][real], indices[node][real]
+            widest = np.argmax(here.max(0) - here.min(0))
+            order = np.lexsort((ids, here[:, widest]))
+            left = min(real.sum(), size // 2)
+            assert real[: size // 2].sum() == left
+            np.testing.assert_array_equal(
+                np.sort(ids[:left]), np.sort(ids[order[:left]])
+            )
+        size //= 2
