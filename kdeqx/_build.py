@@ -160,8 +160,8 @@ def _partitioned(rows, goes_left, offset, level, depth: int, leaf_size: int):
 
 
 def _without_widest(orders, widest):
-    """The `d - 1` orders other than each slot's widest dimension's, in order (by
-    selects: cheaper than a gather on XLA:CPU)."""
+    """The `d - 1` orders other than the widest dimension's (`widest`: per position,
+    its segment's), in order; by selects, cheaper than a gather on XLA:CPU."""
     d = orders.shape[0]
     return jnp.stack(
         [jnp.where(j < widest, orders[j], orders[j + 1]) for j in range(d - 1)]
