@@ -32,14 +32,32 @@ def _leaf_extrema(coords, valid, leaf_size):
     return lo, hi
 
 
-def _sorted_orders(coords, valid, index_dtype):
-    """Per dimension, the slots sorted by coordinate (padding last, stable for ties).
+def _sorted_orders(coords, n: int, positions: int, index_dtype):
+    """Per dimension, the first `positions` slots sorted by coordinate (stable for
+    ties): the points, then the padding slots `n, ..., positions - 1`.
 
     float64 coordinates are ordered by their float32 rounding: the order only
     balances the tree, every box is computed from the points themselves.
     """
+    valid = jnp.arange(positions) < n
+    coords = lax.slice_in_dim(coords, 0, positions)  # (a slice even when whole)
     keys = float32_sort_keys(jnp.where(valid[:, None], coords, jnp.inf).T)
     return jax.vmap(argsort_keys)(keys).astype(index_dtype)
+
+
+def _positions_with_points(n: int, depth: int, leaf_size: int) -> int:
+    """How many leading slot positions the levels must partition.
+
+    Each node's left half is filled first, so the points always occupy positions
+    `0, ..., n - 1`, and at every later position each order holds its own slot: a
+    level would leave it in place. `n` is rounded up to a sixteenth of the slots (a
+    whole number of pairs of leaves, the deepest nodes): arrays whose length has fewer
+    factors of two ran slower (at n = 1e6 rounded to pairs of leaves, 1,000,000 of
+    1,048,576 positions, the build took 0.62-0.64 s against 0.58-0.59 s on one core).
+    """
+    slots = leaf_size << depth
+    granule = max(2 * leaf_size, slots // 16)
+    return min(slots, -(-n // granule) * granule)
 
 
 def _segment_size(level, depth: int, leaf_size: int):
@@ -233,13 +251,19 @@ def build_search_arrays(points: Float[Array, "n d"], leaf_size: int, period):
     coords = coords * scale
     coords = jnp.pad(coords, ((0, slots - n), (0, 0)))
     valid = jnp.arange(slots) < n
-    orders = _sorted_orders(coords, valid, index_dtype)
+    # Only the positions that can hold points are sorted and partitioned (at n = 6e5,
+    # 62.5 % of the 2^20 slots): the rest keep their own slots.
+    positions = _positions_with_points(n, depth, leaf_size)
+    orders = _sorted_orders(coords, n, positions, index_dtype)
     if depth > 0:
         split = ft.partial(
             _split_level, coords=coords, n=n, depth=depth, leaf_size=leaf_size
         )
         orders = lax.fori_loop(0, depth, split, orders)
-    perm = orders[0].astype(index_dtype)  # at the leaves every order holds the same set
+    # At the leaves every order holds the same set.
+    # (Always concatenated, even with nothing: the same program for every `n`.)
+    rest = jnp.arange(positions, slots, dtype=index_dtype)
+    perm = lax.concatenate([orders[0].astype(index_dtype), rest], 0)
 
     leaf_points = coords[perm]
     leaf_valid = valid[perm]
