@@ -59,9 +59,14 @@ def lane_count(state_bytes: int, backend: str | None = None) -> int:
     backend = jax.default_backend() if backend is None else backend
     if backend == "cpu":
         fit = max(_CPU_MIN_LANES, _CPU_STATE_BYTES // max(1, state_bytes))
-        return min(CPU_LANES, 1 << (fit.bit_length() - 1))
+        return min(CPU_LANES, _power_of_two_at_most(fit))
     fit = min(_ACCELERATOR_MAX_LANES, _ACCELERATOR_STATE_BYTES // max(1, state_bytes))
-    return max(CPU_LANES, 1 << (fit.bit_length() - 1) if fit > 0 else 0)
+    return max(CPU_LANES, _power_of_two_at_most(fit))
+
+
+def _power_of_two_at_most(m: int) -> int:
+    """The largest power of two `<= m` (0 for `m < 1`)."""
+    return 1 << (m.bit_length() - 1) if m > 0 else 0
 
 
 # Local fits: how many queries' small dense systems are solved at once. On XLA:CPU
@@ -81,7 +86,7 @@ def fit_chunk(system_bytes: int, backend: str | None = None) -> int:
     if backend == "cpu":
         return CPU_FIT_CHUNK
     fit = _ACCELERATOR_FIT_BYTES // max(1, system_bytes)
-    return max(CPU_FIT_CHUNK, 1 << (fit.bit_length() - 1) if fit > 0 else 0)
+    return max(CPU_FIT_CHUNK, _power_of_two_at_most(fit))
 
 
 def step_cap(backend: str | None = None) -> int:

@@ -32,15 +32,16 @@ def _leaf_extrema(coords, valid, leaf_size):
     return lo, hi
 
 
-def _sorted_orders(coords, n: int, positions: int, index_dtype):
+def _sorted_orders(coords, valid, positions: int, index_dtype):
     """Per dimension, the first `positions` slots sorted by coordinate (stable for
-    ties): the points, then the padding slots `n, ..., positions - 1`.
+    ties): the points, then the padding slots (not `valid`) among them.
 
     float64 coordinates are ordered by their float32 rounding: the order only
     balances the tree, every box is computed from the points themselves.
     """
-    valid = jnp.arange(positions) < n
-    coords = lax.slice_in_dim(coords, 0, positions)  # (a slice even when whole)
+    # Slices even when whole: the same program for every `n`.
+    coords = lax.slice_in_dim(coords, 0, positions)
+    valid = lax.slice_in_dim(valid, 0, positions)
     keys = float32_sort_keys(jnp.where(valid[:, None], coords, jnp.inf).T)
     return jax.vmap(argsort_keys)(keys).astype(index_dtype)
 
@@ -254,7 +255,7 @@ def build_search_arrays(points: Float[Array, "n d"], leaf_size: int, period):
     # Only the positions that can hold points are sorted and partitioned (at n = 6e5,
     # 62.5 % of the 2^20 slots): the rest keep their own slots.
     positions = _positions_with_points(n, depth, leaf_size)
-    orders = _sorted_orders(coords, n, positions, index_dtype)
+    orders = _sorted_orders(coords, valid, positions, index_dtype)
     if depth > 0:
         split = ft.partial(
             _split_level, coords=coords, n=n, depth=depth, leaf_size=leaf_size
