@@ -17,6 +17,7 @@ import numpy as np
 
 from ._backend import sum_by_additions, sum_nonnegative
 from ._custom_types import Array, Float
+from ._floats import binary_exponent, power_of_two
 
 
 def _on_periodic_axes(transform, x: Float[Array, "... d"], period):
@@ -267,18 +268,18 @@ def norm_without_overflow(
     if largest is None:
         largest = jnp.max(jnp.abs(diff), axis=-1, keepdims=True)
     exponent = unit_exponent(largest)
-    one = jnp.ones((), diff.dtype)
-    scaled = diff * jnp.ldexp(one, -exponent)
-    return metric.norm(scaled) * jnp.ldexp(one, exponent)[..., 0]
+    scaled = diff * power_of_two(-exponent, diff.dtype)
+    return metric.norm(scaled) * power_of_two(exponent, diff.dtype)[..., 0]
 
 
 def unit_exponent(largest: Float[Array, "*shape"]) -> Array:
     """`e` such that `largest / 2**e` lies in `[1, 2)`, clipped so that `2**e` and
     `2**-e` are normal numbers (held constant under differentiation): a unit in
     which lengths up to `largest` can be squared without overflow or underflow.
-    Non-finite or zero `largest` gives `e = 0`."""
-    largest = lax.stop_gradient(largest)
+    Zero, subnormal (which XLA:CPU flushes to zero) or non-finite `largest` gives
+    `e = 0`."""
     info = jnp.finfo(largest.dtype)
-    usable = jnp.isfinite(largest) & (largest > 0)
-    _, exponent = jnp.frexp(jnp.where(usable, largest, 1))
-    return jnp.clip(exponent - 1, info.minexp + 1, info.maxexp - 2)
+    exponent = binary_exponent(lax.stop_gradient(largest))
+    # From the bits alone: XLA:CPU compares subnormals with zero inconsistently.
+    usable = (exponent > 1 - info.maxexp) & (exponent < info.maxexp)
+    return jnp.where(usable, jnp.clip(exponent, info.minexp + 1, info.maxexp - 2), 0)

@@ -15,21 +15,11 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, Inexact, Int, Real, Shaped
 
+from .._floats import binary_exponent, power_of_two
+
 
 # The exponent of a zero coefficient: any product or sum carrying it rescales to zero.
 ZERO_EXPONENT = -(2**20)
-
-
-def _int_dtype(dtype: Any) -> Any:
-    return jnp.dtype(f"int{jnp.finfo(dtype).bits}")
-
-
-def power_of_two(k: Int[Array, "*shape"], dtype: Any) -> Real[Array, "*shape"]:
-    """`2**k` exactly, built from its bits; `k` is clipped to the normal range."""
-    info = jnp.finfo(dtype)
-    bias = info.maxexp - 1
-    k = jnp.minimum(jnp.maximum(k, info.minexp), bias).astype(_int_dtype(dtype))
-    return lax.bitcast_convert_type((k + bias) << info.nmant, dtype)
 
 
 def exponent_of(size: Real[Array, "*shape"]) -> Int[Array, "*shape"]:
@@ -38,11 +28,9 @@ def exponent_of(size: Real[Array, "*shape"]) -> Int[Array, "*shape"]:
     Zero (and anything the CPU flushes to zero) gets `ZERO_EXPONENT`. This is
     `jnp.frexp` without its subnormal handling, at a fraction of the compile time.
     """
-    info = jnp.finfo(size.dtype)
-    bias = info.maxexp - 1
-    biased = lax.bitcast_convert_type(size, _int_dtype(size.dtype)) >> info.nmant
-    exponent = (biased - bias + 1).astype(jnp.int32)
-    return jnp.where(biased == 0, ZERO_EXPONENT, exponent)
+    exponent = binary_exponent(size)
+    lowest = 1 - jnp.finfo(size.dtype).maxexp  # zero and subnormals
+    return jnp.where(exponent == lowest, ZERO_EXPONENT, exponent + 1)
 
 
 def ldexp(x: Inexact[Array, "*batch"], k: Int[Array, "*#batch"]) -> Array:
