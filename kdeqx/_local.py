@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from . import _backend
 from ._custom_types import Array, Float, Int
+from ._floats import power_of_two
 from ._mesh import cpu_devices_for, split_rows_over
 from ._metric import EUCLIDEAN, minimum_image, Minkowski, unit_exponent
 
@@ -123,7 +124,7 @@ def interpolate_locally(
 def _fit_in_unit(fit: AbstractLocalFit, offsets, values, columns):
     """`fit.fit` with the offsets in a unit (a power of two) near the largest."""
     unit = unit_exponent(jnp.max(jnp.abs(offsets)))
-    in_unit = offsets * jnp.ldexp(jnp.ones((), offsets.dtype), -unit)
+    in_unit = offsets * power_of_two(-unit, offsets.dtype)
     return fit.fit(in_unit, values, columns, unit)
 
 
