@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from ._backend import argsort_keys, float32_sort_keys, move_rows
 from ._custom_types import Array, Float
+from ._floats import power_of_two
 from ._metric import wrap_into_box
 from ._validate import index_dtype_for
 
@@ -235,7 +236,7 @@ def _search_scale(points: Float[Array, "n d"]) -> Float[Array, ""]:
     # 2**126 (float32) the exact scale would be one. Such data lands in [0.5, 4).
     info = jnp.finfo(points.dtype)
     exponent = jnp.clip(exponent, 1 - info.maxexp, -info.minexp)
-    return jnp.ldexp(jnp.ones((), points.dtype), -exponent)
+    return power_of_two(-exponent, points.dtype)
 
 
 @ft.partial(jax.jit, static_argnames="leaf_size")

@@ -148,13 +148,14 @@ class Minkowski(eqx.Module):
 
     def norm(self, diff: Float[Array, "... d"]) -> Float[Array, "..."]:
         """The norm over the last axis; its gradient at zero is zero, not NaN."""
-        if self.is_max:
-            return jnp.max(jnp.abs(diff), axis=-1)
-        if self.p == 1:
-            return jnp.sum(jnp.abs(diff), axis=-1)
-        total = jnp.sum(self._terms(diff), axis=-1)
-        positive = total > 0
-        return jnp.where(positive, self.from_power(jnp.where(positive, total, 1)), 0)
+        return self.root(self.powered(diff))
+
+    def root(self, powered: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
+        """`from_power`, with a gradient of zero, not NaN, at zero."""
+        if self.is_max or self.p == 1:
+            return powered
+        positive = powered > 0
+        return jnp.where(positive, self.from_power(jnp.where(positive, powered, 1)), 0)
 
     @property
     def exponent_bound(self) -> int:
@@ -270,6 +271,20 @@ def norm_without_overflow(
     exponent = unit_exponent(largest)
     scaled = diff * power_of_two(-exponent, diff.dtype)
     return metric.norm(scaled) * power_of_two(exponent, diff.dtype)[..., 0]
+
+
+def norm_of_axes_without_overflow(
+    diffs: list[Float[Array, "*shape"]],
+    largest: Float[Array, "*shape"],
+    metric: Minkowski = EUCLIDEAN,
+) -> Float[Array, "*shape"]:
+    """`norm_without_overflow` of coordinate differences given axis by axis, with
+    `largest = max_j |diffs[j]|`: no reduction over a short last axis (which XLA:CPU
+    hands to YNNPACK, dear to compile)."""
+    exponent = unit_exponent(largest)
+    down = power_of_two(-exponent, largest.dtype)
+    powered = metric.powered_of_axes([diff * down for diff in diffs])
+    return metric.root(powered) * power_of_two(exponent, largest.dtype)
 
 
 def unit_exponent(largest: Float[Array, "*shape"]) -> Array:

@@ -20,12 +20,11 @@ import jax.lax as lax
 import jax.numpy as jnp
 
 from ._custom_types import Array, Bool, Float, Int, PyTree
-from ._floats import power_of_two
 from ._metric import (
     minimum_image,
     Minkowski,
+    norm_of_axes_without_overflow,
     norm_without_overflow,
-    unit_exponent,
     wrap_into_box,
 )
 from ._traverse import AbstractVisitor, far_limit, walk_many
@@ -59,22 +58,18 @@ def far_queries(
     x = wrap_into_box(lax.stop_gradient(x), tree.period)
     scale = lax.stop_gradient(tree.scale)
     lo, hi = (lax.stop_gradient(box[0]) / scale for box in (tree.node_lo, tree.node_hi))
-    # `norm_without_overflow(gap)` written axis by axis: its reductions over the short
-    # last axis (which XLA:CPU hands to YNNPACK) and its `frexp` made this check about
-    # a seventh of a kNN query's compile.
+    # Axis by axis: reductions over the short last axis made this check about a
+    # seventh of a kNN query's compile.
     gaps = [
         jnp.maximum(jnp.maximum(lo[j] - x[..., j], x[..., j] - hi[j]), 0)
         for j in range(x.shape[-1])
     ]
     largest = ft.reduce(jnp.maximum, gaps)
-    unit = unit_exponent(largest)
-    down = power_of_two(-unit, x.dtype)
-    powered = metric.powered_of_axes([gap * down for gap in gaps])
     # Every clamped query is this far (the tree lies within 1 of the origin), and from
     # this far every point is at `distance`, to float precision, anyway.
     return FarQueries(
         far=largest * scale >= far_limit(x.dtype, x.shape[-1], metric) / 2,
-        distance=metric.from_power(powered) * power_of_two(unit, x.dtype),
+        distance=norm_of_axes_without_overflow(gaps, largest, metric),
     )
 
 
