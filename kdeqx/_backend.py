@@ -426,7 +426,11 @@ def all_finite_reference(array: Array) -> Bool[Array, ""]:
 # Scatters.
 
 
-def move_rows(orders: Int[Array, "d m"], destination: Int[Array, "d m"]):
+# Slot numbers: the build counts them unsigned where 32 bits hold them.
+_Slots = Int[Array, "d m"] | UInt[Array, "d m"]
+
+
+def move_rows(orders: _Slots, destination: _Slots):
     """`orders[j]` with entry `i` moved to `destination[j, i]` (a permutation of each
     row): one flat scatter, 1.5-3x faster on XLA:CPU than a vmapped one."""
     d, m = orders.shape
@@ -435,6 +439,29 @@ def move_rows(orders: Int[Array, "d m"], destination: Int[Array, "d m"]):
     flat = destination + jnp.arange(d, dtype=orders.dtype)[:, None] * m
     moved = jnp.zeros(d * m, orders.dtype).at[flat.ravel()]
     return moved.set(orders.ravel(), unique_indices=True).reshape(d, m)
+
+
+def move_rows_in_place(
+    orders: _Slots,
+    moving: Int[Array, "r m"] | UInt[Array, "r m"],
+    rows: Int[Array, "r *words 1"],
+    destination: Int[Array, "r *words width"] | UInt[Array, "r *words width"],
+):
+    """`orders` with entry `i` of `moving[r]` written to `orders[rows[r, i],
+    destination[r, i]]`; the rest of `orders` as it was. One flat scatter into
+    `orders`' own buffer where XLA can reuse it (a while loop's carry)."""
+    d, m = orders.shape
+    if d * m > jnp.iinfo(orders.dtype).max:
+        rows = jnp.broadcast_to(rows, destination.shape).reshape(moving.shape)
+        destination = destination.reshape(moving.shape)
+        return orders.at[rows, destination].set(moving, unique_indices=True)
+    flat = (rows.astype(orders.dtype) * m + destination).ravel()
+    moved = (
+        orders.ravel()
+        .at[flat]
+        .set(moving.ravel(), unique_indices=True, mode="promise_in_bounds")
+    )
+    return moved.reshape(d, m)
 
 
 def move_rows_reference(orders, destination):
