@@ -45,7 +45,9 @@ def _sorted_orders(coords, valid, positions: int, index_dtype):
     coords = lax.slice_in_dim(coords, 0, positions)
     valid = lax.slice_in_dim(valid, 0, positions)
     keys = float32_sort_keys(jnp.where(valid[:, None], coords, jnp.inf).T)
-    return jax.vmap(argsort_keys)(keys).astype(index_dtype)
+    # One sort per dimension, not one batched sort: XLA:CPU runs independent sorts
+    # on different cores (2 cores: the build of 1e6 points 0.27-0.30 s, not 0.37 s).
+    return jnp.stack([argsort_keys(row).astype(index_dtype) for row in keys])
 
 
 def _positions_with_points(n: int, depth: int, leaf_size: int) -> int:
