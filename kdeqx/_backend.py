@@ -447,9 +447,10 @@ def move_rows_in_place(
     rows: Int[Array, "r *words 1"],
     destination: Int[Array, "r *words width"] | UInt[Array, "r *words width"],
 ):
-    """`orders` with entry `i` of `moving[r]` written to `orders[rows[r, i],
-    destination[r, i]]`; the rest of `orders` as it was. One flat scatter into
-    `orders`' own buffer where XLA can reuse it (a while loop's carry)."""
+    """`orders` with each entry of `moving[r]` written to row `rows[r]` at position
+    `destination[r]` (`rows` per word of `width` entries, `destination` per entry, in
+    `moving`'s order); the rest of `orders` as it was. One flat scatter into
+    `orders`' own buffer, which XLA reuses where it can (a while loop's state)."""
     d, m = orders.shape
     if d * m > jnp.iinfo(orders.dtype).max:
         rows = jnp.broadcast_to(rows, destination.shape).reshape(moving.shape)

@@ -85,7 +85,8 @@ def _iota_in_loop(m: int, level, dtype):
     levels of a build of 1e6 points took 0.31 s instead of 0.21 s on one core). A
     bound that depends on the level keeps `arange` inside; it never binds.
     """
-    return jnp.minimum(jnp.arange(m, dtype=dtype), (m + level).astype(dtype))
+    bound = jnp.asarray(m, dtype) + jnp.asarray(level, dtype)  # `m` may not fit int32
+    return jnp.minimum(jnp.arange(m, dtype=dtype), bound)
 
 
 def _lowest_bit(m: int) -> int:

@@ -145,6 +145,39 @@ def test_move_rows_is_a_scatter_per_row():
     np.testing.assert_array_equal(ours, expected)
 
 
+@pytest.mark.parametrize("dtype", [jnp.uint32, jnp.uint8])  # uint8: 3 x 128 > 255
+def test_move_rows_in_place_writes_the_moved_rows_over_the_others(dtype):
+    rng = np.random.default_rng(6)
+    d, words, width = 3, 16, 8
+    m = words * width
+    orders = rng.integers(0, 200, (d, m))
+    # As in a level of the build: segments of two words, in each the two moved rows
+    # come from rows 0 and 2 (in either order; row 1 stays) and each is permuted
+    # within the segment.
+    first = np.repeat(np.where(rng.random(words // 2) < 0.5, 0, 2), 2)
+    rows = np.stack([first, 2 - first])[:, :, None]
+    moving = rng.integers(0, 200, (2, m))
+
+    def permuted_within_segments():
+        size = 2 * width
+        return np.concatenate([rng.permutation(size) + s for s in range(0, m, size)])
+
+    destination = np.stack([permuted_within_segments() for _ in range(2)])
+    destination = destination.reshape(2, words, width)
+    ours = jax.jit(_backend.move_rows_in_place)(
+        jnp.asarray(orders, dtype),
+        jnp.asarray(moving, dtype),
+        jnp.asarray(rows, jnp.int32),
+        jnp.asarray(destination, dtype),
+    )
+    expected = orders.copy()
+    flat_rows = np.broadcast_to(rows, destination.shape).reshape(2, m)
+    flat_destination = destination.reshape(2, m)
+    for r in range(2):
+        expected[flat_rows[r], flat_destination[r]] = moving[r]
+    np.testing.assert_array_equal(ours, expected)
+
+
 def test_gather_clamped_clamps_out_of_range_indices():
     array = jnp.arange(10.0).reshape(5, 2)
     index = jnp.asarray([-3, -1, 0, 2, 4, 5, 99], jnp.int32)
