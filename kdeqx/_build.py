@@ -93,6 +93,12 @@ def _lowest_bit(m: int) -> int:
     return m & -m
 
 
+def _word_width(leaf_size: int) -> int:
+    """Flags per word: a word never spans two segments (its width divides a pair of
+    leaves)."""
+    return min(32, _lowest_bit(2 * leaf_size))
+
+
 def _widest_dimension(orders, coords, level, *, n, max_segments, depth, leaf_size):
     """Per segment of `level`, the dimension in which its points spread the most."""
     d, slots = orders.shape
@@ -162,13 +168,15 @@ def _split_level(level, orders, *, coords, n, depth, leaf_size):
     )
     if d > _MOVE_OTHERS_UP_TO_D:
         return _partitioned(orders, goes_left, level, depth, leaf_size)
-    others = _without_widest(orders, widest)
+    # Each word of flags lies within one segment: the widest dimension per word, which
+    # keeps per-position reads out of the loops over the moved entries.
+    width = _word_width(leaf_size)
+    widest = widest.reshape(-1, width)[:, :1]
+    by_word = orders.reshape(d, -1, width)
+    others = _without_widest(by_word, widest).reshape(d - 1, slots)
     destination = _partition_destinations(others, goes_left, level, depth, leaf_size)
-    # Each word of flags lies within one segment: the rows per word, which keeps
-    # per-position reads out of the destinations' loop.
-    words = destination.shape[1]
-    rows = _rows_of_others(widest.reshape(words, -1)[:, 0], d)
-    return move_rows_in_place(orders, others, rows[:, :, None], destination)
+    rows = _rows_of_others(widest, d)
+    return move_rows_in_place(orders, others, rows, destination)
 
 
 # Up to this many dimensions a level moves only the orders it must (in 2-D, 3-D and
@@ -190,8 +198,7 @@ def _partition_destinations(rows, goes_left, level, depth, leaf_size):
     each segment of `level`, the slots flagged by `goes_left` first."""
     r, slots = rows.shape
     size = _segment_size(level, depth, leaf_size)
-    # A word never spans two segments: its width divides a pair of leaves.
-    width = min(32, _lowest_bit(2 * leaf_size))
+    width = _word_width(leaf_size)
     words = slots // width
     flags = goes_left[rows].reshape(r, words, width)
     left_rank = _left_ranks(flags, 2 * leaf_size // width, level, depth)
@@ -212,20 +219,22 @@ def _partition_destinations(rows, goes_left, level, depth, leaf_size):
 
 def _rows_of_others(widest, d: int):
     """The row of `orders` that each of the `d - 1` other orders came from."""
-    rows = _rows_below(d)
-    return rows + (rows >= widest)
+    other = _others_index(d, widest.ndim)
+    return other + (other >= widest)
 
 
 def _without_widest(orders, widest):
-    """The `d - 1` orders other than the widest dimension's (`widest`: per position,
-    its segment's), in order. One select between two slices: stacking rows inside
-    a fusion made XLA:CPU's loops scalar."""
-    return jnp.where(_rows_below(orders.shape[0]) < widest, orders[:-1], orders[1:])
+    """The `d - 1` orders other than the widest dimension's (`widest` broadcasts
+    against one order), in order. One select between two slices: stacking rows
+    inside a fusion made XLA:CPU's loops scalar."""
+    other = _others_index(orders.shape[0], orders.ndim - 1)
+    return jnp.where(other < widest, orders[:-1], orders[1:])
 
 
-def _rows_below(d: int):
-    """`0, ..., d - 2` as a column, to broadcast against per-position values."""
-    return jnp.arange(d - 1, dtype=jnp.int32)[:, None]
+def _others_index(d: int, ndim: int):
+    """`0, ..., d - 2` along a leading axis, to broadcast against values of `ndim`
+    axes (per word or per position): the rows of the other orders."""
+    return jnp.arange(d - 1, dtype=jnp.int32).reshape(-1, *(1,) * ndim)
 
 
 def _internal_boxes(lo, hi, min_index, depth):
