@@ -156,23 +156,24 @@ def _split_level(level, orders, *, coords, n, depth, leaf_size):
         depth=depth,
         leaf_size=leaf_size,
     )
-    position = _iota_in_loop(slots, level, orders.dtype)
-    segment = _segment_of(position, level, depth, leaf_size)
-    offset = position - segment * size  # within the segment
-    widest = widest[segment]
-    chosen_order = jnp.take_along_axis(orders, widest[None], 0)[0]
+    # Each word of flags lies within one segment: values per word, which keeps
+    # per-position reads out of the loops over the entries.
+    width = _word_width(leaf_size)
+    by_word = orders.reshape(d, -1, width)
+    segment_start, offset = _segments_of_words(
+        by_word.shape[1], width, level, depth, leaf_size, orders.dtype
+    )
+    widest = widest[segment_start // size][:, None]
+    chosen_order = jnp.take_along_axis(
+        by_word, jnp.broadcast_to(widest, by_word.shape[1:])[None], 0
+    )[0]
     goes_left = (
         jnp.zeros(slots, bool)
-        .at[chosen_order]
-        .set(offset < size // 2, unique_indices=True)
+        .at[chosen_order.ravel()]
+        .set((offset < size // 2).ravel(), unique_indices=True)
     )
     if d > _MOVE_OTHERS_UP_TO_D:
         return _partitioned(orders, goes_left, level, depth, leaf_size)
-    # Each word of flags lies within one segment: the widest dimension per word, which
-    # keeps per-position reads out of the loops over the moved entries.
-    width = _word_width(leaf_size)
-    widest = widest.reshape(-1, width)[:, :1]
-    by_word = orders.reshape(d, -1, width)
     others = _without_widest(by_word, widest).reshape(d - 1, slots)
     destination = _partition_destinations(others, goes_left, level, depth, leaf_size)
     rows = _rows_of_others(widest, d)
@@ -203,15 +204,8 @@ def _partition_destinations(rows, goes_left, level, depth, leaf_size):
     flags = goes_left[rows].reshape(r, words, width)
     left_rank = _left_ranks(flags, 2 * leaf_size // width, level, depth)
     left_rank = left_rank.astype(rows.dtype)
-    # Offsets from per-word values and the bit: the loop over the slots reads no
-    # per-slot arrays but the flags.
-    word_start = _iota_in_loop(words, level, rows.dtype) * width
-    segment = _segment_of(word_start, level, depth, leaf_size)
-    segment_start = segment * size
-    offset = (
-        word_start[:, None]
-        - segment_start[:, None]
-        + _iota_in_loop(width, level, rows.dtype)
+    segment_start, offset = _segments_of_words(
+        words, width, level, depth, leaf_size, rows.dtype
     )
     right = size // 2 + offset
     return segment_start[:, None] + jnp.where(flags, left_rank, right - left_rank)
@@ -229,6 +223,19 @@ def _without_widest(orders, widest):
     inside a fusion made XLA:CPU's loops scalar."""
     other = _others_index(orders.shape[0], orders.ndim - 1)
     return jnp.where(other < widest, orders[:-1], orders[1:])
+
+
+def _segments_of_words(
+    words: int, width: int, level, depth: int, leaf_size: int, dtype
+):
+    """Per word of `width` slots, where its segment of `level` starts; per slot, its
+    offset in that segment (shape `(words, width)`)."""
+    word_start = _iota_in_loop(words, level, dtype) * width
+    segment_start = _segment_of(word_start, level, depth, leaf_size) * _segment_size(
+        level, depth, leaf_size
+    )
+    bit = _iota_in_loop(width, level, dtype)
+    return segment_start, (word_start - segment_start)[:, None] + bit
 
 
 def _others_index(d: int, ndim: int):
