@@ -81,9 +81,10 @@ def _iota_in_loop(m: int, level, dtype):
     """`arange(m)`, computed in each level rather than hoisted out of the loop.
 
     XLA moves loop-invariant values out of a while loop and passes them in as part of
-    its state; XLA:CPU's loops that read such values ran scalar, 3-4x slower (the
-    levels of a build of 1e6 points took 0.31 s instead of 0.21 s on one core). A
-    bound that depends on the level keeps `arange` inside; it never binds.
+    its state; XLA:CPU's kernels that read such values ran 3-4x slower than those that
+    computed them (the levels of a build of 1e6 points took 0.31 s instead of 0.21 s
+    on one core). A bound that depends on the level keeps `arange` inside; it never
+    binds.
     """
     bound = jnp.asarray(m, dtype) + jnp.asarray(level, dtype)  # `m` may not fit int32
     return jnp.minimum(jnp.arange(m, dtype=dtype), bound)
@@ -219,8 +220,8 @@ def _rows_of_others(widest, d: int):
 
 def _without_widest(orders, widest):
     """The `d - 1` orders other than the widest dimension's (`widest` broadcasts
-    against one order), in order. One select between two slices: stacking rows
-    inside a fusion made XLA:CPU's loops scalar."""
+    against one order), in order. One select between two slices: rows stacked inside
+    a kernel made XLA:CPU's kernel 2-3x slower."""
     other = _others_index(orders.shape[0], orders.ndim - 1)
     return jnp.where(other < widest, orders[:-1], orders[1:])
 
