@@ -173,7 +173,11 @@ class LocalRbf(AbstractLocalFit):
         poly_at_query = monomials(-shift / scale, self.powers)
         kernel = self._radial(_pairwise_squared(offsets), unit)
         smoothing = self._smoothing(columns[:, 0].astype(kernel.dtype), unit)
-        kernel = kernel + jnp.diag(smoothing)
+        # Onto the diagonal by a scatter, not `+ jnp.diag(smoothing)`, whose mask XLA
+        # hoists out of the loop over chunks of queries: n = 1e5, 20,000 queries,
+        # k = 32, the same answers in 0.70-0.72 s against 0.79-0.81 s on one core.
+        diagonal = jnp.arange(k)
+        kernel = kernel.at[diagonal, diagonal].add(smoothing)
         if r > 0:
             poly, poly_at_query = _balanced(kernel, poly, poly_at_query)
         lhs = jnp.block([[kernel, poly], [poly.T, jnp.zeros((r, r), kernel.dtype)]])
