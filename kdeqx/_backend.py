@@ -433,12 +433,9 @@ _Slots = Int[Array, "d m"] | UInt[Array, "d m"]
 def move_rows(orders: _Slots, destination: _Slots):
     """`orders[j]` with entry `i` moved to `destination[j, i]` (a permutation of each
     row): one flat scatter, 1.5-3x faster on XLA:CPU than a vmapped one."""
-    d, m = orders.shape
-    if d * m > jnp.iinfo(orders.dtype).max:
-        return move_rows_reference(orders, destination)
-    flat = destination + jnp.arange(d, dtype=orders.dtype)[:, None] * m
-    moved = jnp.zeros(d * m, orders.dtype).at[flat.ravel()]
-    return moved.set(orders.ravel(), unique_indices=True).reshape(d, m)
+    d, _ = orders.shape
+    rows = jnp.arange(d, dtype=jnp.int32)[:, None]
+    return move_rows_in_place(jnp.zeros_like(orders), orders, rows, destination)
 
 
 def move_rows_in_place(

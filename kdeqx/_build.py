@@ -161,10 +161,10 @@ def _split_level(level, orders, *, coords, n, depth, leaf_size):
     # per-position reads out of the loops over the entries.
     width = _word_width(leaf_size)
     by_word = orders.reshape(d, -1, width)
-    segment_start, offset = _segments_of_words(
+    segment, _, offset = _segments_of_words(
         by_word.shape[1], width, level, depth, leaf_size, orders.dtype
     )
-    widest = widest[segment_start // size][:, None]
+    widest = widest[segment][:, None]
     chosen_order = jnp.take_along_axis(
         by_word, jnp.broadcast_to(widest, by_word.shape[1:])[None], 0
     )[0]
@@ -205,7 +205,7 @@ def _partition_destinations(rows, goes_left, level, depth, leaf_size):
     flags = goes_left[rows].reshape(r, words, width)
     left_rank = _left_ranks(flags, 2 * leaf_size // width, level, depth)
     left_rank = left_rank.astype(rows.dtype)
-    segment_start, offset = _segments_of_words(
+    _, segment_start, offset = _segments_of_words(
         words, width, level, depth, leaf_size, rows.dtype
     )
     right = size // 2 + offset
@@ -229,14 +229,13 @@ def _without_widest(orders, widest):
 def _segments_of_words(
     words: int, width: int, level, depth: int, leaf_size: int, dtype
 ):
-    """Per word of `width` slots, where its segment of `level` starts; per slot, its
-    offset in that segment (shape `(words, width)`)."""
+    """Per word of `width` slots, its segment of `level` and where that starts; per
+    slot, its offset in the segment (shape `(words, width)`)."""
     word_start = _iota_in_loop(words, level, dtype) * width
-    segment_start = _segment_of(word_start, level, depth, leaf_size) * _segment_size(
-        level, depth, leaf_size
-    )
+    segment = _segment_of(word_start, level, depth, leaf_size)
+    segment_start = segment * _segment_size(level, depth, leaf_size)
     bit = _iota_in_loop(width, level, dtype)
-    return segment_start, (word_start - segment_start)[:, None] + bit
+    return segment, segment_start, (word_start - segment_start)[:, None] + bit
 
 
 def _others_index(d: int, ndim: int):
