@@ -36,8 +36,8 @@ class Boxes:
     """The tree's leaf slots and node boxes as NumPy, in its search coordinates."""
 
     def __init__(self, tree):
-        self.lo = np.asarray(tree.node_lo, np.float64)
-        self.hi = np.asarray(tree.node_hi, np.float64)
+        self.lo = np.asarray(tree.node_lo, np.float64).T
+        self.hi = np.asarray(tree.node_hi, np.float64).T
         self.points = np.asarray(tree.leaf_points, np.float64)
         self.indices = np.asarray(tree.leaf_indices)
         self.first_leaf = tree.num_leaves - 1

@@ -393,15 +393,11 @@ def sum_by_additions(terms: Float[Array, "... d"]) -> Float[Array, "..."]:
     """The sum over the last axis by plain additions, in order (rounding may differ
     from a reduction's in the last bit).
 
-    The descent of all queries to their nearest leaves ran ~1.5x faster so (a query
-    6-9 % faster than with the reduction there). That descent must still choose each
-    near child as the walk's moves, summed by the reduction, do: the terms are summed
-    in the same order, and `tests/test_lanes.py` checks the two agree (a rule that
-    rounded differently in one of them skipped subtrees and returned wrong
-    neighbours). Leaf distances summed this way made XLA:CPU return wrong k-nearest
-    neighbours (d = 8, float32, in a vmapped walk): right with
+    A block's leaf distances are summed so (`Minkowski.leaf_distances`). One point's
+    leaf distances summed this way made XLA:CPU return wrong k-nearest neighbours
+    (d = 8, float32, in a vmapped walk): right with
     `--xla_disable_hlo_passes=algsimp`, so a miscompile in XLA's algebraic
-    simplifier, which the test suite caught.
+    simplifier, which the test suite caught; those use `sum_nonnegative`.
     """
     total = terms[..., 0]
     for i in range(1, terms.shape[-1]):

@@ -418,8 +418,8 @@ def _walked_images(
         (leaf_points.reshape(leaves, size, e)[None] - moved[:, None, None]).reshape(
             len(table) * leaves, size, e
         ),
-        (tree.node_lo[first_leaf:][None] - moved[:, None]).reshape(-1, e),
-        (tree.node_hi[first_leaf:][None] - moved[:, None]).reshape(-1, e),
+        (tree.node_lo[:, first_leaf:].T[None] - moved[:, None]).reshape(-1, e),
+        (tree.node_hi[:, first_leaf:].T[None] - moved[:, None]).reshape(-1, e),
     )
     image = jnp.repeat(jnp.arange(len(table), dtype=jnp.int32), leaves)
     leaf = jnp.tile(jnp.arange(leaves, dtype=tree.leaf_indices.dtype), len(table))
@@ -443,7 +443,7 @@ def _walked_images(
     # Most images of most leaves lie beyond `r` of every point (all but those near
     # the faces): they are not walked.
     gap = jnp.maximum(
-        jnp.maximum(blocks.lo - tree.node_hi[0], tree.node_lo[0] - blocks.hi), 0
+        jnp.maximum(blocks.lo - tree.node_hi[:, 0], tree.node_lo[:, 0] - blocks.hi), 0
     )
     near = jnp.sum(gap * gap, axis=1) <= r2
     _, filled = walk_many(tree, blocks, visitors, EUCLIDEAN, sink=sink, active=near)

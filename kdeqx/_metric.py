@@ -171,25 +171,32 @@ class Minkowski(eqx.Module):
         one_plus = 1 + self.eps.astype(dtype)
         return one_plus if self.is_max else one_plus**self.p
 
-    def box_lower_bound(self, x: Query, lo, hi, period, by_additions: bool = False):
+    def box_lower_bound(self, x: Query, lo: list, hi: list, period):
         """A lower bound on the powered distance from `x` (a point, or any point of a
-        block) to any point in the box.
+        block) to any point in the box given axis by axis (`lo[j]`, `hi[j]`).
 
-        It is shrunk by a few ulps per dimension: a point on the box's nearest corner
-        has the same exact distance, but the two sums may round differently (fused or
-        not), and a bound one ulp too high would prune a tie that must be visited.
+        Axis by axis: with each box a row of `d` entries, every move of the walk
+        summed over a short last axis, and on XLA:CPU kNN queries ran 2-8 % slower
+        (d = 8: 17 %). The bound is shrunk by a few ulps per dimension: a point on the
+        box's nearest corner has the same exact distance, but the two sums may round
+        differently (fused or not), and a bound one ulp too high would prune a tie
+        that must be visited.
         """
-        gap = _gap_to_box(x, lo, hi)
-        if period is not None:
-            # x and the box lie in [0, L): the images x - L and x + L are the others.
-            images = jnp.minimum(
-                _gap_to_box(x, lo, hi, period), _gap_to_box(x, lo, hi, -period)
-            )
-            gap = jnp.where(period > 0, jnp.minimum(gap, images), gap)
-        d = lo.shape[-1]
-        slack = 4 * (d + 2) * self.exponent_bound * jnp.finfo(lo.dtype).eps
-        summed_by = "additions" if by_additions else "reduction"
-        return self.powered(gap, summed_by) * (1 - slack)
+        x_lo, x_hi = (x.lo, x.hi) if isinstance(x, Block) else (x, x)
+        gaps = []
+        for j, (lo_j, hi_j) in enumerate(zip(lo, hi, strict=True)):
+            gap = _gap_on_axis(x_lo[j], x_hi[j], lo_j, hi_j)
+            if period is not None:
+                # x and the box lie in [0, L): the other images are x - L and x + L.
+                length = period[j]
+                images = jnp.minimum(
+                    _gap_on_axis(x_lo[j] + length, x_hi[j] + length, lo_j, hi_j),
+                    _gap_on_axis(x_lo[j] - length, x_hi[j] - length, lo_j, hi_j),
+                )
+                gap = jnp.where(length > 0, jnp.minimum(gap, images), gap)
+            gaps.append(gap)
+        slack = 4 * (len(gaps) + 2) * self.exponent_bound * jnp.finfo(gaps[0].dtype).eps
+        return self.powered_of_axes(gaps) * (1 - slack)
 
     def leaf_distances(
         self, x: Query, points: Float[Array, "m d"], period
@@ -204,12 +211,9 @@ class Minkowski(eqx.Module):
         return self.powered(minimum_image(points - x, period), "nonnegative")
 
 
-def _gap_to_box(x: Query, lo, hi, shift=None):
-    """Per axis, how far `x` (moved by `shift`) lies outside `[lo, hi]`; for a block,
-    the gap between its box and `[lo, hi]`."""
-    x_lo, x_hi = (x.lo, x.hi) if isinstance(x, Block) else (x, x)
-    if shift is not None:
-        x_lo, x_hi = x_lo + shift, x_hi + shift
+def _gap_on_axis(x_lo, x_hi, lo, hi):
+    """On one axis, how far `[x_lo, x_hi]` (a point: `x_lo = x_hi`) lies outside
+    `[lo, hi]`."""
     return jnp.maximum(jnp.maximum(lo - x_hi, x_lo - hi), 0)
 
 

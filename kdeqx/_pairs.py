@@ -261,8 +261,8 @@ def _pairs_in_order_met(tree: "KDTree", r, capacity: int, metric: Minkowski):
     points = jnp.where(padding, jnp.inf, searched.leaf_points)
     blocks = Block(
         points.reshape(leaf_count, size, -1),
-        searched.node_lo[first_leaf:],
-        searched.node_hi[first_leaf:],
+        searched.node_lo[:, first_leaf:].T,
+        searched.node_hi[:, first_leaf:].T,
     )
     r2 = search_threshold(tree, r, metric)
     leaves = jnp.arange(leaf_count, dtype=tree.leaf_indices.dtype)

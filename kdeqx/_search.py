@@ -57,7 +57,9 @@ def far_queries(
 ) -> FarQueries:
     x = wrap_into_box(lax.stop_gradient(x), tree.period)
     scale = lax.stop_gradient(tree.scale)
-    lo, hi = (lax.stop_gradient(box[0]) / scale for box in (tree.node_lo, tree.node_hi))
+    lo, hi = (
+        lax.stop_gradient(box[:, 0]) / scale for box in (tree.node_lo, tree.node_hi)
+    )
     # Axis by axis: reductions over the short last axis made this check about a
     # seventh of a kNN query's compile.
     gaps = [

@@ -226,38 +226,38 @@ class _Steps(eqx.Module):
     def is_internal(self, node: Int[Array, "*lanes"]) -> Bool[Array, "*lanes"]:
         return (node >= 0) & (node < self.first_leaf)
 
-    def children(self, x, node, by_additions: bool = False):
+    def children(self, x, node):
         """The children of `node` as `(near, far)` with their powered box distances;
         the left child is near when the two tie."""
-        tree = self.tree
         left = 2 * node + 1
         right = left + 1
-        d2_left, d2_right = (
-            self.metric.box_lower_bound(
-                x,
-                gather_clamped(tree.node_lo, child),
-                gather_clamped(tree.node_hi, child),
-                self.period,
-                by_additions,
-            )
-            for child in (left, right)
-        )
+        d2_left, d2_right = self.box_distance(x, left), self.box_distance(x, right)
         left_is_near = d2_left <= d2_right
         near = jnp.where(left_is_near, left, right)
         far = jnp.where(left_is_near, right, left)
         return near, far, jnp.minimum(d2_left, d2_right), jnp.maximum(d2_left, d2_right)
 
+    def box_distance(self, x, node):
+        """A lower bound on the powered distance from `x` to the points of `node`."""
+        tree = self.tree
+        return self.metric.box_lower_bound(
+            x,
+            [gather_clamped(lo, node) for lo in tree.node_lo],
+            [gather_clamped(hi, node) for hi in tree.node_hi],
+            self.period,
+        )
+
     def nearest_leaf(self, x):
         """The first leaf of a walk from the root: near children all the way down.
 
         A walk climbs from it taking each child it comes from for the near one, so
-        this must choose as `move` does, to the last bit (see `sum_by_additions`).
+        this must choose as `move` does, to the last bit (it runs the same
+        `children`).
         """
         depth = self.tree.num_leaves.bit_length() - 1
 
         def down(_, node):
-            # Run for all queries at once: see `sum_of_squares`.
-            return self.children(x, node, by_additions=True)[0]
+            return self.children(x, node)[0]
 
         return lax.fori_loop(
             0, depth, down, jnp.zeros((), self.tree.leaf_indices.dtype)
@@ -456,7 +456,7 @@ def walk_many(
     # Position `i` along the curve is row `order[i]` of the input.
     # Quantised in the root's box (the data's): no reductions over the queries.
     anchors = points.anchor if isinstance(points, Block) else points
-    codes = morton_codes(anchors, steps.tree.node_lo[0], steps.tree.node_hi[0])
+    codes = morton_codes(anchors, steps.tree.node_lo[:, 0], steps.tree.node_hi[:, 0])
     walked = q
     if active is not None:  # codes stay below 2**30: inactive queries go last
         codes = jnp.where(active, codes, jnp.uint32(2**32 - 1))

@@ -634,8 +634,8 @@ class KDTree(AbstractKDTree):
     points: Float[Array, "n d"]
     leaf_points: Float[Array, "slots d"]
     leaf_indices: Int[Array, " slots"]
-    node_lo: Float[Array, "nodes d"]
-    node_hi: Float[Array, "nodes d"]
+    node_lo: Float[Array, "d nodes"]
+    node_hi: Float[Array, "d nodes"]
     node_min_index: Int[Array, " nodes"]
     period: Float[Array, " d"] | None
     scale: Float[Array, ""]

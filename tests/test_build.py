@@ -36,7 +36,7 @@ def test_every_point_lands_in_exactly_one_slot(dataset, n):
 def test_node_boxes_are_tight_and_nested(dataset):
     points = DATASETS[dataset](np.random.default_rng(0), 500, 3)
     tree = kdeqx.KDTree(points)
-    lo, hi = np.asarray(tree.node_lo), np.asarray(tree.node_hi)
+    lo, hi = np.asarray(tree.node_lo).T, np.asarray(tree.node_hi).T
     min_index = np.asarray(tree.node_min_index)
     leaf_points, leaf_indices = _leaves_of(tree)
     first_leaf = tree.num_leaves - 1

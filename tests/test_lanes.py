@@ -152,9 +152,9 @@ def test_answers_do_not_depend_on_the_step_cap(monkeypatch, cap):
 @pytest.mark.parametrize("d", [3, 8])
 def test_walks_start_on_the_path_their_moves_take(d):
     """A walk starts at the leaf its descent chose and, climbing from it, takes each
-    child it comes from for the near one: the descent (summed by additions, for
-    speed) must choose every near child as the moves (summed by a reduction) do, to
-    the last bit, or a near sibling would be skipped."""
+    child it comes from for the near one: the descent (all queries at once, in a
+    `fori_loop`) must choose every near child as the moves (one query, in a
+    `while_loop`) do, to the last bit, or a near sibling would be skipped."""
     rng = np.random.default_rng(d)
     points = clustered(rng, 5000, d).astype(np.float32)
     x = rng.uniform(-0.5, 1.5, (50_000, d)).astype(np.float32)

@@ -260,8 +260,8 @@ def test_small_trees_with_any_leaf_size(leaf_size):
         assert sorted(slots[slots < n].tolist()) == list(range(n))
         assert np.all(slots[slots >= n] == n)
         leaf = np.arange(len(slots)) // leaf_size + tree.num_leaves - 1
-        inside = (tree.node_lo[leaf] <= tree.leaf_points) & (
-            tree.leaf_points <= tree.node_hi[leaf]
+        inside = (tree.node_lo[:, leaf].T <= tree.leaf_points) & (
+            tree.leaf_points <= tree.node_hi[:, leaf].T
         )
         assert np.all(inside[slots < n])
     for n in (leaf_size + 1, 70):
