@@ -245,15 +245,14 @@ def _others_index(d: int, ndim: int):
 
 
 def _internal_boxes(lo, hi, min_index, depth):
-    """Fills the internal nodes (heap order) of the boxes `(d, nodes)` and the lowest
-    indices `(nodes,)` from their children, bottom-up."""
+    """Fills the internal nodes (heap order) from their children, bottom-up."""
     internal = 2**depth - 1
 
     def merge_children(_, carry):
         lo, hi, min_index = carry
         left, right = slice(1, 2 * internal + 1, 2), slice(2, 2 * internal + 2, 2)
-        lo = lo.at[:, :internal].set(jnp.minimum(lo[:, left], lo[:, right]))
-        hi = hi.at[:, :internal].set(jnp.maximum(hi[:, left], hi[:, right]))
+        lo = lo.at[:internal].set(jnp.minimum(lo[left], lo[right]))
+        hi = hi.at[:internal].set(jnp.maximum(hi[left], hi[right]))
         min_index = min_index.at[:internal].set(
             jnp.minimum(min_index[left], min_index[right])
         )
@@ -324,12 +323,11 @@ def build_search_arrays(points: Float[Array, "n d"], leaf_size: int, period):
     leaf_min_index = leaf_indices.reshape(-1, leaf_size).min(axis=1)
     internal = 2**depth - 1
     d = points.shape[1]
-    # Boxes axis by axis, `(d, nodes)`: the walk gathers one axis at a time.
-    lo = jnp.concatenate([jnp.full((d, internal), jnp.inf, points.dtype), leaf_lo.T], 1)
-    hi = jnp.concatenate(
-        [jnp.full((d, internal), -jnp.inf, points.dtype), leaf_hi.T], 1
-    )
+    lo = jnp.concatenate([jnp.full((internal, d), jnp.inf, points.dtype), leaf_lo])
+    hi = jnp.concatenate([jnp.full((internal, d), -jnp.inf, points.dtype), leaf_hi])
     min_index = jnp.concatenate([jnp.full((internal,), n, index_dtype), leaf_min_index])
     lo, hi, min_index = _internal_boxes(lo, hi, min_index, depth)
+    # Boxes axis by axis, `(d, nodes)`: the walk gathers one axis at a time.
+    lo, hi = lo.T, hi.T
 
     return leaf_points, leaf_indices, lo, hi, min_index, scale
