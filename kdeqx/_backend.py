@@ -450,11 +450,7 @@ def move_rows_in_place(
         destination = destination.reshape(moving.shape)
         return orders.at[rows, destination].set(moving, unique_indices=True)
     flat = (rows.astype(orders.dtype) * m + destination).ravel()
-    moved = (
-        orders.ravel()
-        .at[flat]
-        .set(moving.ravel(), unique_indices=True, mode="promise_in_bounds")
-    )
+    moved = orders.ravel().at[flat].set(moving.ravel(), unique_indices=True)
     return moved.reshape(d, m)
 
 
