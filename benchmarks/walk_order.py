@@ -13,6 +13,15 @@ exact k-th distance in advance. `--timing` then times, on 1,024 lanes, `CPU_STEP
 moves of the engine against one leaf visit (the k-best merge included) and against
 `CPU_STEPS` steps that also keep a priority queue of `S` entries per lane (push the
 far child, pop the nearest entry), the extra work a best-first walk needs.
+
+    python benchmarks/walk_order.py --seeds [--data clustered uniform]
+
+counts instead what a better first bound on the k-th distance would save: the engine's
+walk from the same nearest leaf, with the bound taken from the query's predecessors
+along the Morton curve (their final k-th distance plus their separation, by the
+triangle inequality), from one more leaf (chosen by the boxes' largest distance, or an
+oracle's: the leaf of the true nearest neighbour), from an eps-approximate first pass,
+or the exact k-th distance.
 """
 
 import argparse
@@ -23,13 +32,14 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
+import scipy.spatial
 from knn_k import points_and_queries
 
 import kdeqx
 from kdeqx._backend import CPU_STEPS, gather_clamped, lexicographic_less
 from kdeqx._knn import _KNearest
 from kdeqx._metric import EUCLIDEAN
-from kdeqx._traverse import _Steps
+from kdeqx._traverse import _Steps, morton_codes
 
 
 class Boxes:
@@ -68,9 +78,10 @@ class Boxes:
         return node
 
 
-def engine_walk(boxes, q, k, bound=np.inf):
+def engine_walk(boxes, q, k, bound=np.inf, factor=1.0):
     """The engine's stackless near-child-first walk from the nearest leaf: `(outer
-    iterations, leaves visited, k-th squared distance)`."""
+    iterations, leaves visited, k-th squared distance)`. `factor > 1` prunes as
+    scipy's `eps` does, with `factor = (1 + eps)**2`."""
     best = np.full(k, bound)
     node, previous = boxes.nearest_leaf(q), None
     iterations = leaves = 0
@@ -85,7 +96,8 @@ def engine_walk(boxes, q, k, bound=np.inf):
                 break
             parent = (node - 1) >> 1
             near, far, near_d2, far_d2 = boxes.children(q, node)
-            visit_near, visit_far = near_d2 < best[-1], far_d2 < best[-1]
+            visit_near = near_d2 * factor < best[-1]
+            visit_far = far_d2 * factor < best[-1]
             if previous == parent:
                 following = near if visit_near else far if visit_far else parent
             elif previous == near:
@@ -157,6 +169,71 @@ def count(data, n, queries, k):
     mean, p90 = rows.mean(axis=0), np.percentile(rows, 90, axis=0)
     cells = " ".join(f"{m:>6.2f} ({p:>3.0f})" for m, p in zip(mean, p90))
     print(f"{data:>10} {cells}")
+
+
+def leaf_by_largest_distance(boxes, q):
+    """The leaf that a descent to the child with the nearer far corner reaches."""
+    node = 0
+    while node < boxes.first_leaf:
+        left, right = 2 * node + 1, 2 * node + 2
+        largest = [
+            np.sum(np.maximum(np.abs(boxes.lo[c] - q), np.abs(boxes.hi[c] - q)) ** 2)
+            for c in (left, right)
+        ]
+        node = left if largest[0] <= largest[1] else right
+    return node
+
+
+def seeds(data, n, queries, k, q_all=100_000):
+    """Leaves and outer iterations per query of the engine's walk with the bound
+    seeded in several ways (see the module's docstring); `queries` of `q_all`
+    Morton-sorted queries, from the 65th on."""
+    points, x = points_and_queries(data, n, q_all, 3)
+    tree = kdeqx.KDTree(points.astype(np.float32))
+    boxes = Boxes(tree)
+    xs = x.astype(np.float32).astype(np.float64) * float(tree.scale)
+    codes = morton_codes(
+        jnp.asarray(xs, jnp.float32), tree.node_lo[:, 0], tree.node_hi[:, 0]
+    )
+    xs = xs[np.argsort(np.asarray(codes), kind="stable")]
+    real = boxes.indices < boxes.n
+    exact = scipy.spatial.cKDTree(boxes.points[real])
+    kth = exact.query(xs, k)[0][:, -1]
+    slots = np.nonzero(real)[0]
+    rng = np.random.default_rng(1)
+    rows = []
+    for p in rng.choice(np.arange(64, len(xs)), queries, replace=False):
+        q = xs[p]
+
+        def from_predecessors(*back):
+            return min((kth[p - j] + np.linalg.norm(q - xs[p - j])) ** 2 for j in back)
+
+        def from_leaf(leaf):
+            return np.sort(boxes.leaf_d2(q, leaf))[k - 1]
+
+        nearest_slot = slots[exact.query(q, 1)[1]]
+        oracle = boxes.first_leaf + nearest_slot // boxes.leaf_size
+        row = list(engine_walk(boxes, q, k)[1::-1])
+        bounds = [
+            from_predecessors(1),
+            from_predecessors(1, 2, 3, 4),
+            from_predecessors(16),
+            from_predecessors(64),
+            from_leaf(leaf_by_largest_distance(boxes, q)),
+            from_leaf(oracle),
+        ]
+        for bound in bounds:  # the one extra leaf visit of the leaf seeds not counted
+            row += engine_walk(boxes, q, k, bound=bound * (1 + 1e-6))[1::-1]
+        for eps in (0.25, 1.0, 4.0):
+            first_it, first_lv, first_kth = engine_walk(
+                boxes, q, k, factor=(1 + eps) ** 2
+            )
+            it, lv, _ = engine_walk(boxes, q, k, bound=first_kth * (1 + 1e-6))
+            row += [first_lv + lv, first_it + it]
+        row += engine_walk(boxes, q, k, bound=kth[p] ** 2 * (1 + 1e-9))[1::-1]
+        rows.append(row)
+    mean = np.array(rows, float).mean(axis=0)
+    print(f"{data:>10} " + " ".join(f"{v:>6.1f}" for v in mean))
 
 
 def timing(k, sizes, repeats=5, rounds=200):
@@ -265,7 +342,19 @@ def main():
     )
     parser.add_argument("--timing", action="store_true")
     parser.add_argument("--queue-sizes", type=int, nargs="+", default=[8, 24])
+    parser.add_argument("--seeds", action="store_true")
     args = parser.parse_args()
+    if args.seeds:
+        print(
+            f"n = {args.n:.0e}, {args.queries} of 1e5 uniform queries per data set, "
+            f"k = {args.k}; leaves and outer iterations per query (mean), the walk "
+            f"with its bound seeded by: none | predecessor 1 | best of 1-4 | 16th | "
+            f"64th | a leaf by largest distance | the nearest neighbour's leaf | "
+            f"eps 0.25, 1, 4 first passes (both passes) | the exact k-th distance"
+        )
+        for data in args.data:
+            seeds(data, int(args.n), args.queries, args.k)
+        return
     print(
         f"n = {args.n:.0e}, {args.queries} uniform queries per data set, k = {args.k}, "
         f"leaves of 32; mean (p90) per query.\n"
