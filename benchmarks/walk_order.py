@@ -345,24 +345,23 @@ def main():
     parser.add_argument("--seeds", action="store_true")
     args = parser.parse_args()
     if args.seeds:
-        print(
+        header = (
             f"n = {args.n:.0e}, {args.queries} of 1e5 uniform queries per data set, "
             f"k = {args.k}; leaves and outer iterations per query (mean), the walk "
             f"with its bound seeded by: none | predecessor 1 | best of 1-4 | 16th | "
             f"64th | a leaf by largest distance | the nearest neighbour's leaf | "
             f"eps 0.25, 1, 4 first passes (both passes) | the exact k-th distance"
         )
-        for data in args.data:
-            seeds(data, int(args.n), args.queries, args.k)
-        return
-    print(
-        f"n = {args.n:.0e}, {args.queries} uniform queries per data set, k = {args.k}, "
-        f"leaves of 32; mean (p90) per query.\n"
-        f"{'data':>10} {'needed':>12} {'engine lv':>12} {'engine it':>12} "
-        f"{'b-first lv':>12} {'b-first it':>12} {'given lv':>12} {'given it':>12}"
-    )
+    else:
+        header = (
+            f"n = {args.n:.0e}, {args.queries} uniform queries per data set, "
+            f"k = {args.k}, leaves of 32; mean (p90) per query.\n"
+            f"{'data':>10} {'needed':>12} {'engine lv':>12} {'engine it':>12} "
+            f"{'b-first lv':>12} {'b-first it':>12} {'given lv':>12} {'given it':>12}"
+        )
+    print(header)
     for data in args.data:
-        count(data, int(args.n), args.queries, args.k)
+        (seeds if args.seeds else count)(data, int(args.n), args.queries, args.k)
     if args.timing:
         timing(args.k, args.queue_sizes)
 
