@@ -288,10 +288,18 @@ def _order_dtype(slots: int, index_dtype):
     return jnp.uint32 if slots <= np.iinfo(np.uint32).max else index_dtype
 
 
-@ft.partial(jax.jit, static_argnames="leaf_size")
-def build_search_arrays(points: Float[Array, "n d"], leaf_size: int, period):
-    """The search arrays: leaf slots (points, indices), node boxes (heap order) and the
-    scale of the search coordinates."""
+@ft.partial(jax.jit, static_argnames=("leaf_size", "halves"))
+def build_search_arrays(
+    points: Float[Array, "n d"], leaf_size: int, period, halves: bool = False
+):
+    """The search arrays: leaf slots (points, indices), node boxes (heap order), the
+    scale of the search coordinates, and with `halves` the boxes of each leaf's two
+    halves (`None` without).
+
+    Halves are one more level of median splits, of which only the slots' order is
+    kept: each leaf's slots sorted along its widest dimension, so that its first and
+    second `leaf_size // 2` slots are the two halves, with boxes of their own.
+    """
     n, _ = points.shape
     depth = _tree_depth(n, leaf_size)
     slots = leaf_size << depth
@@ -314,7 +322,12 @@ def build_search_arrays(points: Float[Array, "n d"], leaf_size: int, period):
     # At the leaves every order holds the same set.
     # (Always concatenated, even with nothing: the same program for every `n`.)
     rest = jnp.arange(positions, slots, dtype=index_dtype)
-    perm = lax.concatenate([orders[0].astype(index_dtype), rest], 0)
+    if halves:
+        order = _halved(orders, coords, n=n, depth=depth, leaf_size=leaf_size)
+        depth, leaf_size = depth + 1, leaf_size // 2
+    else:
+        order = orders[0]
+    perm = lax.concatenate([order.astype(index_dtype), rest], 0)
 
     leaf_points = coords[perm]
     leaf_valid = valid[perm]
@@ -328,6 +341,29 @@ def build_search_arrays(points: Float[Array, "n d"], leaf_size: int, period):
     min_index = jnp.concatenate([jnp.full((internal,), n, index_dtype), leaf_min_index])
     lo, hi, min_index = _internal_boxes(lo, hi, min_index, depth)
     # Boxes axis by axis, `(d, nodes)`: the walk gathers one axis at a time.
-    lo, hi = lo.T, hi.T
+    boxes = (lo.T, hi.T, min_index)
+    if not halves:
+        return leaf_points, leaf_indices, *boxes, scale, None
+    # The halves are the deepest level: the tree's own nodes come before them.
+    nodes = [lax.slice_in_dim(a, 0, internal, axis=a.ndim - 1) for a in boxes]
+    half_boxes = [lax.slice_in_dim(a, internal, None, axis=a.ndim - 1) for a in boxes]
+    return leaf_points, leaf_indices, *nodes, scale, tuple(half_boxes)
 
-    return leaf_points, leaf_indices, lo, hi, min_index, scale
+
+def _halved(orders, coords, *, n: int, depth: int, leaf_size: int):
+    """Each leaf's slots sorted along its widest dimension (the padding last): its
+    first and second halves are the leaves that one more level of splits would
+    make. The other dimensions' orders, which a level keeps for the levels below,
+    are not needed."""
+    d, positions = orders.shape
+    widest = _widest_dimension(
+        orders,
+        coords,
+        depth,
+        n=n,
+        max_segments=positions // leaf_size,
+        depth=depth,
+        leaf_size=leaf_size,
+    )
+    by_leaf = orders.reshape(d, -1, leaf_size)
+    return jnp.take_along_axis(by_leaf, widest[None, :, None], 0).reshape(positions)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from ._backend import lexicographic_less
 from ._custom_types import Array, Bool, Float, Int, Neighbours, Queries, Threshold
-from ._merge import leaves_per_merge, merge_k_best
+from ._merge import leaves_per_merge, merge_k_best, RANK_MERGE_MAX_K
 from ._mesh import split_like_queries, split_over_cpu_devices
 from ._metric import Minkowski
 from ._search import found_distances, search
@@ -56,7 +56,10 @@ class _KNearest(AbstractVisitor):
 def knn(
     tree: "KDTree", x: Queries, bound: Threshold, k: int, metric: Minkowski
 ) -> Neighbours:
-    """`tree.query` on validated queries."""
+    """`tree.query` on validated queries. Queries for few neighbours walk the
+    halves of the leaves as leaves, where the tree has them (see `KDTree`)."""
+    if k <= RANK_MERGE_MAX_K:
+        tree = tree._halves_as_leaves()
     index_dtype = tree.leaf_indices.dtype
     states, far = search(
         tree, x, bound, lambda b2: _KNearest(k, b2, index_dtype), metric

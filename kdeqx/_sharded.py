@@ -110,7 +110,7 @@ class ShardedKDTree(AbstractKDTree):
         axis_name: str = "shards",
         *,
         box: None | float | ArrayLike = None,
-        leaf_size: int = 32,
+        leaf_size: int | None = None,
     ):
         """**Arguments:**
 
@@ -134,7 +134,8 @@ class ShardedKDTree(AbstractKDTree):
                 f"{tuple(mesh.axis_names)}."
             )
         points = check_points("points", points, traced=False)
-        leaf_size = check_leaf_size(leaf_size)
+        if leaf_size is not None:
+            leaf_size = check_leaf_size(leaf_size)
         period = as_period(box, points.shape[1], points.dtype)
         self.shards, self.leftover = _build(
             points, period, mesh=mesh, axis_name=axis_name, leaf_size=leaf_size
@@ -241,7 +242,7 @@ def _build(
     *,
     mesh: Mesh,
     axis_name: str,
-    leaf_size: int,
+    leaf_size: int | None,
 ) -> tuple[KDTree | None, KDTree]:
     """The batch of local trees (sharded; `None` if `q = 0`) and the left-over tree
     (replicated)."""

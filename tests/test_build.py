@@ -33,9 +33,13 @@ def test_every_point_lands_in_exactly_one_slot(dataset, n):
 
 
 @pytest.mark.parametrize("dataset", list(DATASETS))
-def test_node_boxes_are_tight_and_nested(dataset):
+@pytest.mark.parametrize("halves", [False, True])
+def test_node_boxes_are_tight_and_nested(dataset, halves):
     points = DATASETS[dataset](np.random.default_rng(0), 500, 3)
     tree = kdeqx.KDTree(points)
+    if halves:  # the tree one level deeper, as queries for few neighbours walk it
+        tree = tree._halves_as_leaves()
+        assert tree.leaf_size == 16 and tree.half_lo is None
     lo, hi = np.asarray(tree.node_lo).T, np.asarray(tree.node_hi).T
     min_index = np.asarray(tree.node_min_index)
     leaf_points, leaf_indices = _leaves_of(tree)
@@ -63,6 +67,28 @@ def test_median_split_balances_the_tree():
     counts = (leaf_indices < tree.n).sum(1)
     assert counts.sum() == 1000 and counts.max() == tree.leaf_size
     assert tree.num_leaves == 128
+
+
+@pytest.mark.parametrize("dataset", list(DATASETS))
+@pytest.mark.parametrize("n", [1, 20, 33, 500])
+def test_halves_split_each_leaf_at_a_median(dataset, n):
+    points = DATASETS[dataset](np.random.default_rng(n), n, 3)
+    tree = kdeqx.KDTree(points)
+    assert tree.leaf_size == 32 and tree.half_lo is not None
+    assert tree.half_lo.shape == (3, 2 * tree.num_leaves)
+    for pts, idx in zip(*_leaves_of(tree)):
+        real = idx < n
+        first, second = pts[:16][real[:16]], pts[16:][real[16:]]
+        # The points fill the first half first, and the halves lie on either side
+        # of one plane.
+        assert len(first) == min(16, real.sum())
+        if len(second):
+            assert (first.max(0) <= second.min(0)).any()
+
+
+def test_explicit_leaf_size_has_no_halves():
+    tree = kdeqx.KDTree(np.random.default_rng(0).random((100, 2)), leaf_size=32)
+    assert tree.half_lo is None and tree._halves_as_leaves() is tree
 
 
 def test_search_scale_is_an_exact_power_of_two():

@@ -114,13 +114,25 @@ def test_query_shapes():
     assert distances.shape == (0, 3)
 
 
-@pytest.mark.parametrize("leaf_size", [1, 2, 16, 64])
+@pytest.mark.parametrize("leaf_size", [1, 2, 16, 64, None])
 def test_leaf_size_does_not_change_answers(leaf_size):
     rng = np.random.default_rng(2)
     points = rng.random((333, 3))
     x = rng.random((40, 3))
     distances, indices = kdeqx.KDTree(points, leaf_size=leaf_size).query(x, 5)
     assert_knn_correct(points, x, 5, distances, indices, exact_ties=True)
+
+
+def test_leaves_halves_as_a_tree_answer_every_query():
+    # Queries for few neighbours walk the default tree one level deeper; that view is
+    # a whole tree, so any query on it must answer as scipy does.
+    rng = np.random.default_rng(3)
+    points, x = rng.random((500, 3)), rng.random((40, 3))
+    deeper = kdeqx.KDTree(points)._halves_as_leaves()
+    distances, indices = deeper.query(x, 20)
+    assert_knn_correct(points, x, 20, distances, indices, exact_ties=True)
+    expected = cKDTree(points).query_ball_point(x, 0.15, return_length=True)
+    np.testing.assert_array_equal(deeper.count_ball_point(x, 0.15), expected)
 
 
 def test_single_point_and_empty_tree():
