@@ -292,13 +292,13 @@ def _order_dtype(slots: int, index_dtype):
 def build_search_arrays(
     points: Float[Array, "n d"], leaf_size: int, period, halves: bool = False
 ):
-    """The search arrays: leaf slots (points, indices), node boxes (heap order), the
-    scale of the search coordinates, and with `halves` the boxes of each leaf's two
-    halves (`None` without).
+    """The search arrays: leaf slots (points, indices), node boxes (heap order) and the
+    scale of the search coordinates.
 
-    Halves are one more level of median splits, of which only the slots' order is
-    kept: each leaf's slots sorted along its widest dimension, so that its first and
-    second `leaf_size // 2` slots are the two halves, with boxes of their own.
+    With `halves`, the boxes go one level below the leaves: each leaf's slots are
+    sorted along its widest dimension, so that its first and second `leaf_size // 2`
+    slots are its halves, the nodes of one more level of median splits (of which
+    only the slots' order is kept, not the other dimensions' orders).
     """
     n, _ = points.shape
     depth = _tree_depth(n, leaf_size)
@@ -341,13 +341,9 @@ def build_search_arrays(
     min_index = jnp.concatenate([jnp.full((internal,), n, index_dtype), leaf_min_index])
     lo, hi, min_index = _internal_boxes(lo, hi, min_index, depth)
     # Boxes axis by axis, `(d, nodes)`: the walk gathers one axis at a time.
-    boxes = (lo.T, hi.T, min_index)
-    if not halves:
-        return leaf_points, leaf_indices, *boxes, scale, None
-    # The halves are the deepest level: the tree's own nodes come before them.
-    nodes = [lax.slice_in_dim(a, 0, internal, axis=a.ndim - 1) for a in boxes]
-    half_boxes = [lax.slice_in_dim(a, internal, None, axis=a.ndim - 1) for a in boxes]
-    return leaf_points, leaf_indices, *nodes, scale, tuple(half_boxes)
+    lo, hi = lo.T, hi.T
+
+    return leaf_points, leaf_indices, lo, hi, min_index, scale
 
 
 def _halved(orders, coords, *, n: int, depth: int, leaf_size: int):

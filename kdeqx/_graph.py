@@ -408,7 +408,6 @@ def _walked_images(
 ) -> Sink:
     """The sink of `_LeafEdges` records from a walk of every image of every leaf."""
     size, leaves = tree.leaf_size, tree.num_leaves
-    first_leaf = leaves - 1
     # Padding slots at infinity: they pair with nothing.
     padding = (tree.leaf_indices == tree.n)[:, None]
     leaf_points = jnp.where(padding, jnp.inf, tree.leaf_points)
@@ -418,8 +417,7 @@ def _walked_images(
         (leaf_points.reshape(leaves, size, e)[None] - moved[:, None, None]).reshape(
             len(table) * leaves, size, e
         ),
-        (tree.node_lo[:, first_leaf:].T[None] - moved[:, None]).reshape(-1, e),
-        (tree.node_hi[:, first_leaf:].T[None] - moved[:, None]).reshape(-1, e),
+        *[(box[None] - moved[:, None]).reshape(-1, e) for box in tree._leaf_boxes()],
     )
     image = jnp.repeat(jnp.arange(len(table), dtype=jnp.int32), leaves)
     leaf = jnp.tile(jnp.arange(leaves, dtype=tree.leaf_indices.dtype), len(table))

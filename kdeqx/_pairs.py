@@ -254,16 +254,11 @@ def _pairs_in_order_met(tree: "KDTree", r, capacity: int, metric: Minkowski):
     index_dtype = index_dtype_for(n + 1)
     searched = lax.stop_gradient(tree)
     leaf_count = tree.num_leaves
-    first_leaf = leaf_count - 1
     # Padding slots at infinity: they pair with nothing (their distances are inf or
     # NaN, never within r).
     padding = (searched.leaf_indices == n)[:, None]
     points = jnp.where(padding, jnp.inf, searched.leaf_points)
-    blocks = Block(
-        points.reshape(leaf_count, size, -1),
-        searched.node_lo[:, first_leaf:].T,
-        searched.node_hi[:, first_leaf:].T,
-    )
+    blocks = Block(points.reshape(leaf_count, size, -1), *searched._leaf_boxes())
     r2 = search_threshold(tree, r, metric)
     leaves = jnp.arange(leaf_count, dtype=tree.leaf_indices.dtype)
     visitors = jax.vmap(lambda leaf: _LeafPairs(r2, leaf))(leaves)

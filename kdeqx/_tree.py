@@ -646,13 +646,10 @@ class KDTree(AbstractKDTree):
     node_min_index: Int[Array, " nodes"]
     period: Float[Array, " d"] | None
     scale: Float[Array, ""]
-    # With the default leaf size, the boxes of each leaf's two halves (leaf `j`'s
-    # halves are entries `2j` and `2j + 1`, its first and second `leaf_size // 2`
-    # slots): the level below the leaves, which queries for few neighbours walk.
-    half_lo: Float[Array, "d halves"] | None
-    half_hi: Float[Array, "d halves"] | None
-    half_min_index: Int[Array, " halves"] | None
     leaf_size: int = eqx.field(static=True)
+    # Whether the nodes go one level below the leaves: the children of leaf node `i`
+    # are its first and second `leaf_size // 2` slots (the default `leaf_size`).
+    halves: bool = eqx.field(static=True)
     split_queries: bool = eqx.field(static=True)
 
     def __init__(
@@ -704,11 +701,11 @@ class KDTree(AbstractKDTree):
         period = as_period(box, points.shape[1], points.dtype)
         arrays = build_search_arrays(points, leaf_size, period, halves)
         self.leaf_points, self.leaf_indices = arrays[:2]
-        self.node_lo, self.node_hi, self.node_min_index, self.scale = arrays[2:6]
-        self.half_lo, self.half_hi, self.half_min_index = arrays[6] or (None,) * 3
+        self.node_lo, self.node_hi, self.node_min_index, self.scale = arrays[2:]
         self.points = points
         self.period = period
         self.leaf_size = leaf_size
+        self.halves = halves
         self.split_queries = bool(split_queries)
 
     @property
@@ -727,24 +724,18 @@ class KDTree(AbstractKDTree):
     def num_leaves(self) -> int:
         return self.leaf_points.shape[-2] // self.leaf_size
 
+    def _leaf_boxes(self) -> tuple[Float[Array, "leaves d"], Float[Array, "leaves d"]]:
+        """Each leaf's box, `(lo, hi)` (the nodes may go on below the leaves)."""
+        first, last = self.num_leaves - 1, 2 * self.num_leaves - 1
+        return self.node_lo[:, first:last].T, self.node_hi[:, first:last].T
+
     def _halves_as_leaves(self) -> "KDTree":
         """This tree one level deeper: each leaf's halves as leaves of their own (the
-        same slots, twice the leaves). Without halves, this tree itself."""
-        if self.half_lo is None:
+        same arrays, twice the leaves). Without halves, this tree itself."""
+        if not self.halves:
             return self
-        assert self.half_hi is not None and self.half_min_index is not None
-        deeper = dict(
-            node_lo=jnp.concatenate([self.node_lo, self.half_lo], axis=-1),
-            node_hi=jnp.concatenate([self.node_hi, self.half_hi], axis=-1),
-            node_min_index=jnp.concatenate(
-                [self.node_min_index, self.half_min_index], axis=-1
-            ),
-            half_lo=None,
-            half_hi=None,
-            half_min_index=None,
-            leaf_size=self.leaf_size // 2,
-        )
-        # Not through `__init__`, which builds: the same fields, some replaced.
+        # Not through `__init__`, which builds: the same fields, two replaced.
+        deeper = dict(leaf_size=self.leaf_size // 2, halves=False)
         tree = object.__new__(KDTree)
         for field in dataclasses.fields(self):
             value = deeper.get(field.name, getattr(self, field.name))

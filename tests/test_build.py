@@ -39,7 +39,7 @@ def test_node_boxes_are_tight_and_nested(dataset, halves):
     tree = kdeqx.KDTree(points)
     if halves:  # the tree one level deeper, as queries for few neighbours walk it
         tree = tree._halves_as_leaves()
-        assert tree.leaf_size == 16 and tree.half_lo is None
+        assert tree.leaf_size == 16 and not tree.halves
     lo, hi = np.asarray(tree.node_lo).T, np.asarray(tree.node_hi).T
     min_index = np.asarray(tree.node_min_index)
     leaf_points, leaf_indices = _leaves_of(tree)
@@ -74,8 +74,8 @@ def test_median_split_balances_the_tree():
 def test_halves_split_each_leaf_at_a_median(dataset, n):
     points = DATASETS[dataset](np.random.default_rng(n), n, 3)
     tree = kdeqx.KDTree(points)
-    assert tree.leaf_size == 32 and tree.half_lo is not None
-    assert tree.half_lo.shape == (3, 2 * tree.num_leaves)
+    assert tree.leaf_size == 32 and tree.halves
+    assert tree.node_lo.shape == (3, 4 * tree.num_leaves - 1)
     for pts, idx in zip(*_leaves_of(tree)):
         real = idx < n
         first, second = pts[:16][real[:16]], pts[16:][real[16:]]
@@ -88,7 +88,8 @@ def test_halves_split_each_leaf_at_a_median(dataset, n):
 
 def test_explicit_leaf_size_has_no_halves():
     tree = kdeqx.KDTree(np.random.default_rng(0).random((100, 2)), leaf_size=32)
-    assert tree.half_lo is None and tree._halves_as_leaves() is tree
+    assert not tree.halves and tree._halves_as_leaves() is tree
+    assert tree.node_lo.shape == (2, 2 * tree.num_leaves - 1)
 
 
 def test_search_scale_is_an_exact_power_of_two():
