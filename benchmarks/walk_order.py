@@ -42,6 +42,13 @@ from kdeqx._metric import EUCLIDEAN
 from kdeqx._traverse import _Steps, morton_codes
 
 
+def walked_tree(points):
+    """kdeqx's tree over `points` as a query for k <= 16 neighbours walks it: the
+    default tree's leaves split in halves, leaves of 16 (the tables in RESULTS.md
+    before 2026-12-05 ~07:20 UTC replayed the leaves of 32)."""
+    return kdeqx.KDTree(points.astype(np.float32))._halves_as_leaves()
+
+
 class Boxes:
     """The tree's leaf slots and node boxes as NumPy, in its search coordinates."""
 
@@ -149,7 +156,7 @@ def leaves_needed(boxes, q, kth_d2):
 
 def count(data, n, queries, k):
     points, x = points_and_queries(data, n, queries, 3)
-    tree = kdeqx.KDTree(points.astype(np.float32))
+    tree = walked_tree(points)
     boxes = Boxes(tree)
     rows = []
     for q in x.astype(np.float32).astype(np.float64) * float(tree.scale):
@@ -189,7 +196,7 @@ def seeds(data, n, queries, k, q_all=100_000):
     seeded in several ways (see the module's docstring); `queries` of `q_all`
     Morton-sorted queries, from the 65th on."""
     points, x = points_and_queries(data, n, q_all, 3)
-    tree = kdeqx.KDTree(points.astype(np.float32))
+    tree = walked_tree(points)
     boxes = Boxes(tree)
     xs = x.astype(np.float32).astype(np.float64) * float(tree.scale)
     codes = morton_codes(
@@ -238,7 +245,7 @@ def seeds(data, n, queries, k, q_all=100_000):
 
 def timing(k, sizes, repeats=5, rounds=200):
     points, x = points_and_queries("uniform", 1_000_000, 1024, 3)
-    tree = kdeqx.KDTree(points.astype(np.float32))
+    tree = walked_tree(points)
     steps = _Steps(tree, EUCLIDEAN)
     x = jax.vmap(steps.search_point)(jnp.asarray(x, jnp.float32))
     index_dtype = tree.leaf_indices.dtype
