@@ -362,7 +362,7 @@ def main():
     else:
         header = (
             f"n = {args.n:.0e}, {args.queries} uniform queries per data set, "
-            f"k = {args.k}, leaves of 32; mean (p90) per query.\n"
+            f"k = {args.k}, leaves of 16 (the halves); mean (p90) per query.\n"
             f"{'data':>10} {'needed':>12} {'engine lv':>12} {'engine it':>12} "
             f"{'b-first lv':>12} {'b-first it':>12} {'given lv':>12} {'given it':>12}"
         )
