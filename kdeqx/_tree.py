@@ -681,8 +681,8 @@ class KDTree(AbstractKDTree):
             the queries for at most 16 nearest neighbours (`query`, `interpolate`
             with the nearest) walk as leaves. Measured (n = 1e6, 1e5 queries, 2 CPU
             devices, k = 8): leaves of 16 answered 3 % faster than 32 on uniform
-            data and 17 % faster on clustered data, while radius counts and
-            k >= 32 ran 12-23 % slower; leaves of 40-64 ran 2-3x slower. An int
+            data and 17 % faster on clustered data, while radius counts and most
+            k >= 32 ran up to 23 % slower; leaves of 40-64 ran 2-3x slower. An int
             gives leaves of that many slots to every query.
         - `split_queries`: on a CPU with several devices (for example after
             `jax.config.update("jax_num_cpu_devices", os.cpu_count())`, set before
