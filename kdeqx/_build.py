@@ -324,6 +324,7 @@ def build_search_arrays(
     rest = jnp.arange(positions, slots, dtype=index_dtype)
     if halves:
         order = _halved(orders, coords, n=n, depth=depth, leaf_size=leaf_size)
+        # From here on the halves are the leaves whose boxes are computed.
         depth, leaf_size = depth + 1, leaf_size // 2
     else:
         order = orders[0]

@@ -134,8 +134,7 @@ class ShardedKDTree(AbstractKDTree):
                 f"{tuple(mesh.axis_names)}."
             )
         points = check_points("points", points, traced=False)
-        if leaf_size is not None:
-            leaf_size = check_leaf_size(leaf_size)
+        leaf_size = check_leaf_size(leaf_size)
         period = as_period(box, points.shape[1], points.dtype)
         self.shards, self.leftover = _build(
             points, period, mesh=mesh, axis_name=axis_name, leaf_size=leaf_size

@@ -647,9 +647,6 @@ class KDTree(AbstractKDTree):
     period: Float[Array, " d"] | None
     scale: Float[Array, ""]
     leaf_size: int = eqx.field(static=True)
-    # Whether the nodes go one level below the leaves: the children of leaf node `i`
-    # are its first and second `leaf_size // 2` slots (the default `leaf_size`).
-    halves: bool = eqx.field(static=True)
     split_queries: bool = eqx.field(static=True)
 
     def __init__(
@@ -697,10 +694,9 @@ class KDTree(AbstractKDTree):
             or `shard_map` of the caller's, are never split again.
         """
         points = check_points("points", points)
+        leaf_size = check_leaf_size(leaf_size)
         halves = leaf_size is None
-        leaf_size = (
-            DEFAULT_LEAF_SIZE if leaf_size is None else check_leaf_size(leaf_size)
-        )
+        leaf_size = DEFAULT_LEAF_SIZE if leaf_size is None else leaf_size
         period = as_period(box, points.shape[1], points.dtype)
         arrays = build_search_arrays(points, leaf_size, period, halves)
         self.leaf_points, self.leaf_indices = arrays[:2]
@@ -708,7 +704,6 @@ class KDTree(AbstractKDTree):
         self.points = points
         self.period = period
         self.leaf_size = leaf_size
-        self.halves = halves
         self.split_queries = bool(split_queries)
 
     @property
@@ -727,6 +722,12 @@ class KDTree(AbstractKDTree):
     def num_leaves(self) -> int:
         return self.leaf_points.shape[-2] // self.leaf_size
 
+    @property
+    def halves(self) -> bool:
+        """Whether the nodes go one level below the leaves: the children of leaf node
+        `i` are its first and second `leaf_size // 2` slots (the default leaves)."""
+        return self.node_lo.shape[-1] > 2 * self.num_leaves - 1
+
     def _leaf_boxes(self) -> tuple[Float[Array, "leaves d"], Float[Array, "leaves d"]]:
         """Each leaf's box, `(lo, hi)` (the nodes may go on below the leaves)."""
         first, last = self.num_leaves - 1, 2 * self.num_leaves - 1
@@ -737,12 +738,11 @@ class KDTree(AbstractKDTree):
         same arrays, twice the leaves). Without halves, this tree itself."""
         if not self.halves:
             return self
-        # Not through `__init__`, which builds: the same fields, two replaced.
-        deeper = dict(leaf_size=self.leaf_size // 2, halves=False)
+        # Not through `__init__`, which builds: the same fields, `leaf_size` halved.
         tree = object.__new__(KDTree)
         for field in dataclasses.fields(self):
-            value = deeper.get(field.name, getattr(self, field.name))
-            object.__setattr__(tree, field.name, value)
+            object.__setattr__(tree, field.name, getattr(self, field.name))
+        object.__setattr__(tree, "leaf_size", self.leaf_size // 2)
         return tree
 
     def _knn(self, x, bound, k, metric):
@@ -852,8 +852,9 @@ def check_points(
     return check_finite(name, points, traced=traced)
 
 
-def check_leaf_size(leaf_size: int) -> int:
-    return check_static_int("leaf_size", leaf_size, 1)
+def check_leaf_size(leaf_size: int | None) -> int | None:
+    """A leaf size, or `None` for the default leaves (see `KDTree`)."""
+    return None if leaf_size is None else check_static_int("leaf_size", leaf_size, 1)
 
 
 def check_ranks(k: int | Sequence[int]) -> tuple[int, ...]:
