@@ -14,6 +14,15 @@ moves of the engine against one leaf visit (the k-best merge included) and again
 `CPU_STEPS` steps that also keep a priority queue of `S` entries per lane (push the
 far child, pop the nearest entry), the extra work a best-first walk needs.
 
+    python benchmarks/walk_order.py --orders [--data clustered uniform]
+
+counts the same for walks in other orders over the same tree: the subtrees that the
+descent to the first leaf passed by (one per level), walked nearest first or deepest
+first, each near child first and left for the next without climbing back; and a
+best-first order over the subtrees at depth 8 or 10 (the nearest one left next).
+"Switch free" lets a lane take any number of subtrees between two leaf visits; "one
+switch" lets it take one, a second waiting for the next visit.
+
     python benchmarks/walk_order.py --seeds [--data clustered uniform]
 
 counts instead what a better first bound on the k-th distance would save: the engine's
@@ -59,6 +68,7 @@ class Boxes:
         self.indices = np.asarray(tree.leaf_indices)
         self.first_leaf = tree.num_leaves - 1
         self.leaf_size, self.n = tree.leaf_size, tree.n
+        self.scale = float(tree.scale)
 
     def box_d2(self, q, node):
         gap = np.maximum(self.lo[node] - q, 0) + np.maximum(q - self.hi[node], 0)
@@ -176,6 +186,119 @@ def count(data, n, queries, k):
     mean, p90 = rows.mean(axis=0), np.percentile(rows, 90, axis=0)
     cells = " ".join(f"{m:>6.2f} ({p:>3.0f})" for m, p in zip(mean, p90))
     print(f"{data:>10} {cells}")
+
+
+class _Iterations:
+    """Counts a walk's outer iterations: a leaf visit, then up to `CPU_STEPS` moves;
+    `switches` subtrees taken between two visits (the next waits for one more)."""
+
+    def __init__(self, switches=None):
+        self.count, self.moves_left, self.switches = 0, 0, switches
+        self.leaves = self.taken = 0
+
+    def visit(self):
+        self.count, self.moves_left, self.taken = self.count + 1, CPU_STEPS, 0
+        self.leaves += 1
+
+    def move(self):
+        if self.moves_left == 0:
+            self.count, self.moves_left, self.taken = self.count + 1, CPU_STEPS, 0
+        self.moves_left -= 1
+
+    def switch(self):
+        if self.switches is not None and self.taken >= self.switches:
+            self.count, self.moves_left, self.taken = self.count + 1, CPU_STEPS, 0
+        self.taken += 1
+
+
+def walk_subtree(boxes, q, best, root, counter, leaf=None):
+    """The engine's walk within subtree `root`, from its `leaf` (visited already) or
+    entered from above; it ends where it would climb out. Returns the k best."""
+    if leaf is None:
+        node, previous = root, (root - 1) >> 1
+    else:
+        node, previous = (leaf - 1) >> 1, leaf
+        if leaf == root:
+            return best
+    while True:
+        if node >= boxes.first_leaf:
+            counter.visit()
+            best = np.sort(np.concatenate([best, boxes.leaf_d2(q, node)]))[: len(best)]
+            if node == root:
+                return best
+            previous, node = node, (node - 1) >> 1
+            continue
+        counter.move()
+        parent = (node - 1) >> 1
+        near, far, near_d2, far_d2 = boxes.children(q, node)
+        visit_near, visit_far = near_d2 < best[-1], far_d2 < best[-1]
+        if previous == parent:
+            following = near if visit_near else far if visit_far else parent
+        elif previous == near:
+            following = far if visit_far else parent
+        else:
+            following = parent
+        if node == root and following == parent:
+            return best
+        previous, node = node, following
+
+
+def passed_by_walk(boxes, q, k, nearest_first=True, switches=None):
+    """The first leaf, then the subtrees its descent passed by, in order of box
+    distance (or deepest first): `(outer iterations, leaves visited, k-th d2)`."""
+    node, passed = 0, []
+    while node < boxes.first_leaf:
+        near, far, _, far_d2 = boxes.children(q, node)
+        passed.append((far_d2, far))
+        node = near
+    counter = _Iterations(switches)
+    counter.visit()
+    best = np.sort(boxes.leaf_d2(q, node))[:k]
+    passed = sorted(passed) if nearest_first else passed[::-1]
+    for d2, root in passed:
+        if d2 < best[-1]:
+            counter.switch()
+            best = walk_subtree(boxes, q, best, root, counter)
+    return counter.count, counter.leaves, best[-1]
+
+
+def best_first_below(boxes, q, k, depth):
+    """Best-first over the subtrees at `depth` (the nearest one left next, the first
+    from the first leaf), each walked near child first; switches free."""
+    roots = np.arange(2**depth - 1, 2 ** (depth + 1) - 1)
+    gap = np.maximum(boxes.lo[roots] - q, 0) + np.maximum(q - boxes.hi[roots], 0)
+    d2 = np.sum(gap**2, axis=1)
+    leaf = boxes.nearest_leaf(q)
+    first = ((leaf + 1) >> (boxes.first_leaf.bit_length() - depth)) - 1
+    counter = _Iterations()
+    counter.visit()
+    best = np.sort(boxes.leaf_d2(q, leaf))[:k]
+    best = walk_subtree(boxes, q, best, first, counter, leaf=leaf)
+    for j in np.argsort(d2, kind="stable"):
+        if roots[j] != first and d2[j] < best[-1]:
+            best = walk_subtree(boxes, q, best, roots[j], counter)
+    return counter.count, counter.leaves, best[-1]
+
+
+def orders(data, n, queries, k):
+    """Leaves and outer iterations per query of the walks in other orders (see the
+    module's docstring); every answer checked against the engine's."""
+    points, x = points_and_queries(data, n, queries, 3)
+    boxes = Boxes(walked_tree(points))
+    rows = []
+    for q in x.astype(np.float32).astype(np.float64) * float(boxes.scale):
+        engine = engine_walk(boxes, q, k)
+        walks = [
+            passed_by_walk(boxes, q, k),
+            passed_by_walk(boxes, q, k, switches=1),
+            passed_by_walk(boxes, q, k, nearest_first=False),
+            best_first_below(boxes, q, k, 8),
+            best_first_below(boxes, q, k, 10),
+        ]
+        assert all(w[2] == engine[2] for w in walks), "a walk lost a neighbour"
+        rows.append([v for w in [engine, *walks] for v in w[1::-1]])
+    mean = np.array(rows, float).mean(axis=0)
+    print(f"{data:>10} " + " ".join(f"{v:>6.2f}" for v in mean))
 
 
 def leaf_by_largest_distance(boxes, q):
@@ -350,8 +473,17 @@ def main():
     parser.add_argument("--timing", action="store_true")
     parser.add_argument("--queue-sizes", type=int, nargs="+", default=[8, 24])
     parser.add_argument("--seeds", action="store_true")
+    parser.add_argument("--orders", action="store_true")
     args = parser.parse_args()
-    if args.seeds:
+    if args.orders:
+        header = (
+            f"n = {args.n:.0e}, {args.queries} uniform queries per data set, "
+            f"k = {args.k}, leaves of 16 (the halves); leaves and outer iterations "
+            f"per query (mean) of: the engine | the subtrees passed by, nearest "
+            f"first, switch free | the same, one switch | deepest first, switch "
+            f"free | best-first below depth 8 | below depth 10"
+        )
+    elif args.seeds:
         header = (
             f"n = {args.n:.0e}, {args.queries} of 1e5 uniform queries per data set, "
             f"k = {args.k}; leaves and outer iterations per query (mean), the walk "
@@ -368,7 +500,8 @@ def main():
         )
     print(header)
     for data in args.data:
-        (seeds if args.seeds else count)(data, int(args.n), args.queries, args.k)
+        walks = orders if args.orders else seeds if args.seeds else count
+        walks(data, int(args.n), args.queries, args.k)
     if args.timing:
         timing(args.k, args.queue_sizes)
 
