@@ -95,6 +95,16 @@ class Boxes:
         return node
 
 
+def following(previous, parent, near, far, visit_near, visit_far):
+    """The engine's move from a node: where the walk goes after it, given where it
+    came from."""
+    if previous == parent:
+        return near if visit_near else far if visit_far else parent
+    if previous == near:
+        return far if visit_far else parent
+    return parent
+
+
 def engine_walk(boxes, q, k, bound=np.inf, factor=1.0):
     """The engine's stackless near-child-first walk from the nearest leaf: `(outer
     iterations, leaves visited, k-th squared distance)`. `factor > 1` prunes as
@@ -113,15 +123,8 @@ def engine_walk(boxes, q, k, bound=np.inf, factor=1.0):
                 break
             parent = (node - 1) >> 1
             near, far, near_d2, far_d2 = boxes.children(q, node)
-            visit_near = near_d2 * factor < best[-1]
-            visit_far = far_d2 * factor < best[-1]
-            if previous == parent:
-                following = near if visit_near else far if visit_far else parent
-            elif previous == near:
-                following = far if visit_far else parent
-            else:
-                following = parent
-            previous, node = node, following
+            visit = (near_d2 * factor < best[-1], far_d2 * factor < best[-1])
+            previous, node = node, following(previous, parent, near, far, *visit)
     return iterations, leaves, best[-1]
 
 
@@ -231,16 +234,11 @@ def walk_subtree(boxes, q, best, root, counter, leaf=None):
         counter.move()
         parent = (node - 1) >> 1
         near, far, near_d2, far_d2 = boxes.children(q, node)
-        visit_near, visit_far = near_d2 < best[-1], far_d2 < best[-1]
-        if previous == parent:
-            following = near if visit_near else far if visit_far else parent
-        elif previous == near:
-            following = far if visit_far else parent
-        else:
-            following = parent
-        if node == root and following == parent:
+        visit = (near_d2 < best[-1], far_d2 < best[-1])
+        after = following(previous, parent, near, far, *visit)
+        if node == root and after == parent:
             return best
-        previous, node = node, following
+        previous, node = node, after
 
 
 def passed_by_walk(boxes, q, k, nearest_first=True, switches=None):
