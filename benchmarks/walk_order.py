@@ -1,14 +1,21 @@
 """Why a kNN walk between clustered points costs more: the walk's order, measured.
 
+    python benchmarks/walk_order.py --pending [--data clustered uniform]
+
+replays, for a sample of queries on kdeqx's own tree (the same leaf boxes the query
+walks), in NumPy, the engine's walk (`kdeqx._traverse`: far children left pending as
+one bit per level, the deepest pending one entered next) beside the walk it replaced
+on 2026-12-05, which climbed back up through each parent (`climbing_walk`, 16 moves
+per leaf visit): leaves visited, moves, and outer iterations (one leaf visit, then up
+to a cap of moves) at several caps.
+
     python benchmarks/walk_order.py [--n 1e6] [--queries 300] [--k 8]
         [--data uniform clustered surface] [--timing]
 
-For a sample of queries on kdeqx's own tree (the same leaf boxes the query walks),
-in NumPy, per query: how many leaves any exact walk must visit (those whose box lies
-nearer than the final k-th distance), how many the engine's near-child-first walk
-visits and how many outer iterations it takes (one leaf visit, then up to
-`CPU_STEPS` moves), and the same for a best-first order (a priority queue of
-subtrees on box distance: the minimum of leaves) and for the engine's walk given the
+counts, per query, how many leaves any exact walk must visit (those whose box lies
+nearer than the final k-th distance), how many the climbing walk visits and how many
+outer iterations it takes, and the same for a best-first order (a priority queue of
+subtrees on box distance: the minimum of leaves) and for the climbing walk given the
 exact k-th distance in advance. `--timing` then times, on 1,024 lanes, `CPU_STEPS`
 moves of the engine against one leaf visit (the k-best merge included) and against
 `CPU_STEPS` steps that also keep a priority queue of `S` entries per lane (push the
@@ -25,7 +32,7 @@ switch" lets it take one, a second waiting for the next visit.
 
     python benchmarks/walk_order.py --seeds [--data clustered uniform]
 
-counts instead what a better first bound on the k-th distance would save: the engine's
+counts instead what a better first bound on the k-th distance would save: the climbing
 walk from the same nearest leaf, with the bound taken from the query's predecessors
 along the Morton curve (their final k-th distance plus their separation, by the
 triangle inequality), from one more leaf (chosen by the boxes' largest distance, or an
@@ -105,10 +112,15 @@ def following(previous, parent, near, far, visit_near, visit_far):
     return parent
 
 
-def engine_walk(boxes, q, k, bound=np.inf, factor=1.0):
-    """The engine's stackless near-child-first walk from the nearest leaf: `(outer
-    iterations, leaves visited, k-th squared distance)`. `factor > 1` prunes as
-    scipy's `eps` does, with `factor = (1 + eps)**2`."""
+# The climbing walk's moves per leaf visit.
+CLIMBING_STEPS = 16
+
+
+def climbing_walk(boxes, q, k, bound=np.inf, factor=1.0):
+    """The engine's walk until 2026-12-05: near child first from the nearest leaf,
+    climbing back through each parent: `(outer iterations, leaves visited, k-th
+    squared distance)`. `factor > 1` prunes as scipy's `eps` does, with `factor =
+    (1 + eps)**2`."""
     best = np.full(k, bound)
     node, previous = boxes.nearest_leaf(q), None
     iterations = leaves = 0
@@ -118,7 +130,7 @@ def engine_walk(boxes, q, k, bound=np.inf, factor=1.0):
             best = np.sort(np.concatenate([best, boxes.leaf_d2(q, node)]))[:k]
             leaves += 1
             previous, node = node, (node - 1) >> 1
-        for _ in range(CPU_STEPS):
+        for _ in range(CLIMBING_STEPS):
             if node < 0 or node >= boxes.first_leaf:
                 break
             parent = (node - 1) >> 1
@@ -146,7 +158,7 @@ def best_first_walk(boxes, q, k):
             best = np.sort(np.concatenate([best, boxes.leaf_d2(q, node)]))[:k]
             leaves += 1
             node = None
-        for _ in range(CPU_STEPS):
+        for _ in range(CLIMBING_STEPS):
             if node is None:
                 while queue and queue[0][0] >= best[-1]:
                     heapq.heappop(queue)
@@ -167,14 +179,99 @@ def leaves_needed(boxes, q, kth_d2):
     return int(np.sum(np.sum(gap**2, axis=1) < kth_d2))
 
 
+def level_of(node):
+    return int(node + 1).bit_length() - 1
+
+
+def pending_walk(boxes, q, k, cap):
+    """The engine's walk (`kdeqx._traverse`) from the nearest leaf: `(outer
+    iterations, leaves visited, moves, k-th squared distance)` with `cap` moves per
+    leaf visit. A far child is left pending if worth a visit when passed; a pending
+    subtree is entered without a new test (its children are tested on the way down,
+    a pending leaf is visited)."""
+    best = np.full(k, np.inf)
+    node, pending = 0, 0
+    while node < boxes.first_leaf:  # all queries at once, before the lanes walk
+        near, _, _, _ = boxes.children(q, node)
+        pending |= 1 << level_of(near)  # every far child is worth it: no bound yet
+        node = near
+
+    def resume(node):
+        nonlocal pending
+        below = pending & ((2 << level_of(node)) - 1)
+        if below == 0:
+            return -1
+        deepest = below.bit_length() - 1
+        pending = below & ((1 << deepest) - 1)
+        on_path = ((int(node) + 1) >> (level_of(node) - deepest)) - 1
+        return ((on_path + 1) ^ 1) - 1
+
+    iterations = leaves = moves = 0
+    while node >= 0:
+        iterations += 1
+        if node >= boxes.first_leaf:
+            best = np.sort(np.concatenate([best, boxes.leaf_d2(q, node)]))[:k]
+            leaves += 1
+            node = resume(node)
+        for _ in range(cap):
+            if node < 0 or node >= boxes.first_leaf:
+                break
+            moves += 1
+            near, _, near_d2, far_d2 = boxes.children(q, node)
+            bit = 1 << level_of(near)
+            pending = pending | bit if far_d2 < best[-1] else pending & ~bit
+            node = near if near_d2 < best[-1] else resume(near)
+    return iterations, leaves, moves, best[-1]
+
+
+def climbing_moves(boxes, q, k):
+    """The climbing walk's moves, uncapped."""
+    best = np.full(k, np.inf)
+    node, previous, moves = boxes.nearest_leaf(q), None, 0
+    while node >= 0:
+        if node >= boxes.first_leaf:
+            best = np.sort(np.concatenate([best, boxes.leaf_d2(q, node)]))[:k]
+            previous, node = node, (node - 1) >> 1
+            continue
+        moves += 1
+        parent = (node - 1) >> 1
+        near, far, near_d2, far_d2 = boxes.children(q, node)
+        visit = (near_d2 < best[-1], far_d2 < best[-1])
+        previous, node = node, following(previous, parent, near, far, *visit)
+    return moves
+
+
+PENDING_CAPS = (6, 8, 12, 16)
+
+
+def pending(data, n, queries, k):
+    """The engine's walk beside the climbing walk (see the module's docstring);
+    every answer checked against the climbing walk's."""
+    points, x = points_and_queries(data, n, queries, 3)
+    boxes = Boxes(walked_tree(points))
+    rows = []
+    for q in x.astype(np.float32).astype(np.float64) * float(boxes.scale):
+        iterations, leaves, kth_d2 = climbing_walk(boxes, q, k)
+        row = [leaves, climbing_moves(boxes, q, k), iterations]
+        for cap in PENDING_CAPS:
+            walked = pending_walk(boxes, q, k, cap)
+            assert walked[3] == kth_d2, "the pending walk lost a neighbour"
+            row += (
+                [walked[0]] if cap != CPU_STEPS else [walked[1], walked[2], walked[0]]
+            )
+        rows.append(row)
+    mean = np.array(rows, float).mean(axis=0)
+    print(f"{data:>10} " + " ".join(f"{v:>7.1f}" for v in mean))
+
+
 def count(data, n, queries, k):
     points, x = points_and_queries(data, n, queries, 3)
     tree = walked_tree(points)
     boxes = Boxes(tree)
     rows = []
     for q in x.astype(np.float32).astype(np.float64) * float(tree.scale):
-        iterations, leaves, kth_d2 = engine_walk(boxes, q, k)
-        given, given_leaves, _ = engine_walk(boxes, q, k, bound=kth_d2 * (1 + 1e-12))
+        iterations, leaves, kth_d2 = climbing_walk(boxes, q, k)
+        given, given_leaves, _ = climbing_walk(boxes, q, k, bound=kth_d2 * (1 + 1e-12))
         rows.append(
             (
                 leaves_needed(boxes, q, kth_d2),
@@ -192,25 +289,26 @@ def count(data, n, queries, k):
 
 
 class _Iterations:
-    """Counts a walk's outer iterations: a leaf visit, then up to `CPU_STEPS` moves;
-    `switches` subtrees taken between two visits (the next waits for one more)."""
+    """Counts a walk's outer iterations: a leaf visit, then up to `CLIMBING_STEPS`
+    moves; `switches` subtrees taken between two visits (the next waits for one
+    more)."""
 
     def __init__(self, switches=None):
         self.count, self.moves_left, self.switches = 0, 0, switches
         self.leaves = self.taken = 0
 
     def visit(self):
-        self.count, self.moves_left, self.taken = self.count + 1, CPU_STEPS, 0
+        self.count, self.moves_left, self.taken = self.count + 1, CLIMBING_STEPS, 0
         self.leaves += 1
 
     def move(self):
         if self.moves_left == 0:
-            self.count, self.moves_left, self.taken = self.count + 1, CPU_STEPS, 0
+            self.count, self.moves_left, self.taken = self.count + 1, CLIMBING_STEPS, 0
         self.moves_left -= 1
 
     def switch(self):
         if self.switches is not None and self.taken >= self.switches:
-            self.count, self.moves_left, self.taken = self.count + 1, CPU_STEPS, 0
+            self.count, self.moves_left, self.taken = self.count + 1, CLIMBING_STEPS, 0
         self.taken += 1
 
 
@@ -285,7 +383,7 @@ def orders(data, n, queries, k):
     boxes = Boxes(walked_tree(points))
     rows = []
     for q in x.astype(np.float32).astype(np.float64) * float(boxes.scale):
-        engine = engine_walk(boxes, q, k)
+        engine = climbing_walk(boxes, q, k)
         walks = [
             passed_by_walk(boxes, q, k),
             passed_by_walk(boxes, q, k, switches=1),
@@ -341,7 +439,7 @@ def seeds(data, n, queries, k, q_all=100_000):
 
         nearest_slot = slots[exact.query(q, 1)[1]]
         oracle = boxes.first_leaf + nearest_slot // boxes.leaf_size
-        row = list(engine_walk(boxes, q, k)[1::-1])
+        row = list(climbing_walk(boxes, q, k)[1::-1])
         bounds = [
             from_predecessors(1),
             from_predecessors(1, 2, 3, 4),
@@ -351,14 +449,14 @@ def seeds(data, n, queries, k, q_all=100_000):
             from_leaf(oracle),
         ]
         for bound in bounds:  # the one extra leaf visit of the leaf seeds not counted
-            row += engine_walk(boxes, q, k, bound=bound * (1 + 1e-6))[1::-1]
+            row += climbing_walk(boxes, q, k, bound=bound * (1 + 1e-6))[1::-1]
         for eps in (0.25, 1.0, 4.0):
-            first_it, first_lv, first_kth = engine_walk(
+            first_it, first_lv, first_kth = climbing_walk(
                 boxes, q, k, factor=(1 + eps) ** 2
             )
-            it, lv, _ = engine_walk(boxes, q, k, bound=first_kth * (1 + 1e-6))
+            it, lv, _ = climbing_walk(boxes, q, k, bound=first_kth * (1 + 1e-6))
             row += [first_lv + lv, first_it + it]
-        row += engine_walk(boxes, q, k, bound=kth[p] ** 2 * (1 + 1e-9))[1::-1]
+        row += climbing_walk(boxes, q, k, bound=kth[p] ** 2 * (1 + 1e-9))[1::-1]
         rows.append(row)
     mean = np.array(rows, float).mean(axis=0)
     print(f"{data:>10} " + " ".join(f"{v:>6.1f}" for v in mean))
@@ -380,21 +478,26 @@ def timing(k, sizes, repeats=5, rounds=200):
     internal = jnp.asarray(rng.integers(0, steps.first_leaf, 1024), index_dtype)
     leaves = internal + steps.first_leaf
     move = jax.vmap(steps.move, in_axes=(0, None, 0, 0, 0))
-    visit = jax.vmap(steps.visit, in_axes=(0, None, 0, 0))
+    visit = jax.vmap(steps.visit, in_axes=(0, None, 0, 0, 0))
     children = jax.vmap(steps.children)
+    no_pending = jnp.zeros(1024, index_dtype)
 
     @jax.jit
     def moves(x, state, start):
         def body(_, carry):
-            node, previous = move(x, visitor, state, *carry)
-            return jnp.where(node < 0, start, node), previous
+            cursor, pending = move(x, visitor, state, *carry)
+            walking = steps.is_internal(cursor >> 2)
+            return jnp.where(walking, cursor, start << 2), pending
 
-        return lax.fori_loop(0, rounds * CPU_STEPS, body, (start, (start - 1) >> 1))
+        return lax.fori_loop(0, rounds * CPU_STEPS, body, (start << 2, no_pending))
 
     @jax.jit
     def visits(x, state, leaf):
         return lax.fori_loop(
-            0, rounds, lambda _, s: visit(x, visitor, s, leaf)[0], state
+            0,
+            rounds,
+            lambda _, s: visit(x, visitor, s, leaf << 2, no_pending)[0],
+            state,
         )
 
     def queue_steps(size):
@@ -472,8 +575,18 @@ def main():
     parser.add_argument("--queue-sizes", type=int, nargs="+", default=[8, 24])
     parser.add_argument("--seeds", action="store_true")
     parser.add_argument("--orders", action="store_true")
+    parser.add_argument("--pending", action="store_true")
     args = parser.parse_args()
-    if args.orders:
+    if args.pending:
+        caps = " ".join(f"cap {c}" for c in PENDING_CAPS)
+        header = (
+            f"n = {args.n:.0e}, {args.queries} uniform queries per data set, "
+            f"k = {args.k}, leaves of 16 (the halves); means per query of: the "
+            f"climbing walk's leaves, moves, iterations (cap {CLIMBING_STEPS}) | the "
+            f"engine's iterations at {caps}, with its leaves and moves before the "
+            f"iterations at cap {CPU_STEPS}"
+        )
+    elif args.orders:
         header = (
             f"n = {args.n:.0e}, {args.queries} uniform queries per data set, "
             f"k = {args.k}, leaves of 16 (the halves); leaves and outer iterations "
@@ -498,7 +611,15 @@ def main():
         )
     print(header)
     for data in args.data:
-        walks = orders if args.orders else seeds if args.seeds else count
+        walks = (
+            pending
+            if args.pending
+            else orders
+            if args.orders
+            else seeds
+            if args.seeds
+            else count
+        )
         walks(data, int(args.n), args.queries, args.k)
     if args.timing:
         timing(args.k, args.queue_sizes)

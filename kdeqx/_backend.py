@@ -31,7 +31,7 @@ from ._custom_types import Array, Bool, Float, Int, UInt
 # 8, 12, 16, 24 took 0.270, 0.249, 0.222, 0.240 s uniform, 1.25, 0.96, 0.86, 0.99 s
 # on clustered data.
 CPU_LANES = 1024
-CPU_STEPS = 16
+CPU_STEPS = 8
 # Fewer lanes for larger states, so that the lanes' states stay in cache: at n = 1e5,
 # Q = 1e4 on 2 cores, k = 128 took 0.11 s with 128 lanes against 0.18 s with 1024, and
 # k = 512 0.77 s with 64 lanes against 2.65 s (budgets of 64 KiB to 1 MiB and floors of

@@ -1,9 +1,13 @@
-"""The one traversal engine: a stackless, near-child-first walk in `lax.while_loop`s.
+"""The one traversal engine: a near-child-first walk in `lax.while_loop`s.
 
-Every query kind is a small visitor on this engine. The walk needs no stack: in the
-heap layout a node's parent is `(i - 1) // 2`, so remembering the previous node tells
-whether the walk came down from the parent or up from a child, and which child is
-"near" is recomputed from the children's bounding boxes.
+Every query kind is a small visitor on this engine. The walk goes down to near
+children (whose box is the nearer; the left one on a tie) and notes each far child it
+passes by, if the visitor finds it worth a visit, as one bit for its level: in the
+heap layout (the children of node `i` are `2 i + 1` and `2 i + 2`) the far child at a
+level is the sibling of the walk's node's ancestor there, so a lane's whole memory of
+the walk is its node and one integer. Once a subtree is done, the walk goes straight
+into the deepest pending one, without climbing back up through the parents (2-3x
+fewer moves than a walk that climbs; `benchmarks/RESULTS.md`).
 
 Many queries are walked by a fixed set of lanes (`walk_many`). A vmapped loop costs its
 slowest lane, so a lane whose query is finished takes its next one at once, instead of
@@ -36,6 +40,10 @@ if TYPE_CHECKING:
 
 # A lane with no query left.
 _IDLE = -2
+# What a move did, in a cursor's low bits (see `_Steps.settle`): nothing, resumed
+# at a pending subtree, or went down (`| 1`: with the far child left pending).
+_RESUMED = 1
+_DOWN = 2
 
 # A visitor's state: any pytree of arrays of fixed shape.
 _State = PyTree
@@ -60,7 +68,9 @@ class AbstractVisitor(eqx.Module):
 
         `box_d2` lower-bounds the squared distance of every point in the subtree and
         `min_index` is the subtree's key: the lowest point index in it, unless the
-        walk was given other `node_keys`.
+        walk was given other `node_keys`. Once `False` for a subtree it must stay
+        `False` as the state changes: the walk decides on a far child as it passes
+        it, and does not ask again.
         """
 
     @abc.abstractmethod
@@ -70,7 +80,8 @@ class AbstractVisitor(eqx.Module):
         """Folds one leaf's points into the state; padding slots have `d2 = inf`.
 
         A leaf that `should_visit` would prune may be visited too (a walk starts at
-        its nearest leaf): its points must then leave the state as it is.
+        its nearest leaf, and enters a pending subtree without asking again): its
+        points must then leave the state as it is.
         """
 
     def leaves_per_visit(self, leaf_size: int) -> int:
@@ -192,7 +203,11 @@ def far_limit(dtype, d: int, metric: Minkowski) -> float:
 
 
 class _Steps(eqx.Module):
-    """The two moves of a walk for one query, on the tree's search arrays."""
+    """The steps of a walk for one query, on the tree's search arrays.
+
+    A lane's place in the walk is its node and its pending subtrees: bit `l` of an
+    integer of the index dtype for the far child passed at level `l`.
+    """
 
     tree: "KDTree"
     period: Float[Array, " d"] | None
@@ -208,6 +223,12 @@ class _Steps(eqx.Module):
         self.metric = metric
         self.prune_factor = metric.prunes_by(scale.dtype)
         self.node_keys = self.tree.node_min_index if node_keys is None else node_keys
+        if 8 * self.tree.num_leaves > jnp.iinfo(self.tree.leaf_indices.dtype).max:
+            raise ValueError(
+                "A tree of 2**28 leaves or more needs 64-bit indices to be walked "
+                "(`jax.config.update('jax_enable_x64', True)` before building "
+                "it), or a larger `leaf_size`."
+            )
 
     @property
     def first_leaf(self) -> int:
@@ -247,48 +268,103 @@ class _Steps(eqx.Module):
             self.period,
         )
 
-    def nearest_leaf(self, x):
-        """The first leaf of a walk from the root: near children all the way down.
+    @property
+    def depth(self) -> int:
+        """The leaves' level (the root's is 0)."""
+        return self.tree.num_leaves.bit_length() - 1
 
-        A walk climbs from it taking each child it comes from for the near one, so
-        this must choose as `move` does, to the last bit (it runs the same
-        `children`).
-        """
-        depth = self.tree.num_leaves.bit_length() - 1
+    def level(self, node: Int[Array, "*lanes"]) -> Int[Array, "*lanes"]:
+        """The level of each `node >= 0`."""
+        return (jnp.iinfo(node.dtype).bits - 1) - lax.clz(node + 1)
 
-        def down(_, node):
-            return self.children(x, node)[0]
-
-        return lax.fori_loop(
-            0, depth, down, jnp.zeros((), self.tree.leaf_indices.dtype)
-        )
-
-    def move(self, x, visitor, state, node, previous):
-        """One step from an internal node: down to a child, or back up to the parent.
-
-        Returns the new `(node, previous)`; a lane at a leaf or done stays put.
-        """
-        keys = self.node_keys
-        parent = (node - 1) >> 1  # the root's parent is -1: the walk is over
+    def verdict(self, x, visitor, state, node) -> Int[Array, ""]:
+        """Which child of `node` is near and which children the visitor would
+        visit, as bits: 1 if the left child is near, 2 if the near child is worth a
+        visit, 4 if the far one is."""
         near, far, near_d2, far_d2 = self.children(x, node)
         if self.prune_factor is not None:  # scipy's `eps`: skip nearly-far subtrees
             near_d2, far_d2 = near_d2 * self.prune_factor, far_d2 * self.prune_factor
+        keys = self.node_keys
         visit_near = visitor.should_visit(state, near_d2, gather_clamped(keys, near))
         visit_far = visitor.should_visit(state, far_d2, gather_clamped(keys, far))
-        after_parent = jnp.where(visit_near, near, jnp.where(visit_far, far, parent))
-        after_near = jnp.where(visit_far, far, parent)
-        following = jnp.where(
-            previous == parent,
-            after_parent,
-            jnp.where(previous == near, after_near, parent),
+        return (
+            (near & 1)
+            | (visit_near.astype(node.dtype) << 1)
+            | (visit_far.astype(node.dtype) << 2)
         )
-        internal = self.is_internal(node)
-        return jnp.where(internal, following, node), jnp.where(internal, node, previous)
+
+    def descend(self, x, visitor, state) -> tuple[Int[Array, ""], Int[Array, ""]]:
+        """The first leaf of a walk, by near children from the root, and its
+        pending subtrees: those of the far children passed on the way that are
+        worth a visit in `state`."""
+        index_dtype = self.tree.leaf_indices.dtype
+
+        def down(_, carry):
+            return self.went_down(carry, self.verdict(x, visitor, state, carry[0]))
+
+        zero = jnp.zeros((), index_dtype)
+        return lax.fori_loop(0, self.depth, down, (zero, zero))
+
+    def went_down(self, carry, verdict):
+        """`(node, pending)` once the walk has gone down to the near child, the far
+        one left pending if worth a visit."""
+        node, pending = carry
+        near = 2 * node + 2 - (verdict & 1)
+        bit = jnp.ones_like(pending) << self.level(near)
+        visit_far = (verdict & 4) != 0
+        return near, jnp.where(visit_far, pending | bit, pending & ~bit)
+
+    def resume(self, node, pending):
+        """Where a walk goes once the subtree of `node` is done: into the deepest
+        pending subtree (taken off `pending`), or to `-1` when none is left."""
+        level = self.level(node)
+        one = jnp.ones_like(pending)
+        pending = pending & ((one << (level + 1)) - 1)
+        deepest = (jnp.iinfo(pending.dtype).bits - 1) - lax.clz(pending)
+        on_path = ((node + 1) >> (level - deepest)) - 1
+        sibling = ((on_path + 1) ^ 1) - 1
+        left = pending & ((one << deepest) - 1)
+        return jnp.where(pending != 0, sibling, -1), left
+
+    def move(self, x, visitor, state, cursor, pending):
+        """One step from an internal node: down to the near child, its sibling left
+        pending if worth a visit; or, if the near child is not, on as `resume`
+        goes. A lane at a leaf or done stays put.
+
+        Takes and returns a lane's `(cursor, pending)` (see `settle`).
+        """
+        node, pending = self.settle(cursor, pending)
+        verdict = self.verdict(x, visitor, state, node)
+        near, passed = self.went_down((node, pending), verdict)
+        resumed, _ = self.resume(near, passed)
+        visit_near = (verdict & 2) != 0
+        following = jnp.where(visit_near, near, resumed)
+        update = jnp.where(visit_near, _DOWN | (verdict >> 2), _RESUMED)
+        moved = (following << 2) | update
+        return jnp.where(self.is_internal(node), moved, node << 2), pending
+
+    def settle(self, cursor, pending):
+        """A lane's node and pending subtrees, from its cursor and pending subtrees
+        as `move` leaves them.
+
+        A cursor is the node shifted left by two bits, and in those bits what the
+        move to it does to the pending subtrees, applied only here, in the next
+        step. So the moves' outputs do not both depend on the children's boxes:
+        XLA:CPU would then gather each coordinate in a kernel of its own, once for
+        both outputs, and a move took twice as long."""
+        node = cursor >> 2
+        update = cursor & 3
+        bit = jnp.ones_like(pending) << self.level(node)
+        went_down = jnp.where(update == _DOWN | 1, pending | bit, pending & ~bit)
+        resumed = pending & (bit - 1)  # the subtree taken and those below it
+        pending = jnp.where(
+            update >= _DOWN, went_down, jnp.where(update == _RESUMED, resumed, pending)
+        )
+        return node, pending
 
     def leaf_entries(self, x, node):
         """The powered distances and indices of leaf `node`'s points (padding slots
-        `(inf, n)`), whether `node` is a leaf, which leaf (clamped) and the walk's
-        position after it."""
+        `(inf, n)`), whether `node` is a leaf and which leaf (clamped)."""
         tree = self.tree
         at_leaf = node >= self.first_leaf
         leaf = jnp.clip(node - self.first_leaf, 0, tree.num_leaves - 1)
@@ -300,14 +376,22 @@ class _Steps(eqx.Module):
             self.metric.leaf_distances(x, points, self.period),
             jnp.inf,
         )
-        after = jnp.where(at_leaf, (node - 1) >> 1, node)
-        return d2, indices, at_leaf, leaf, after
+        return d2, indices, at_leaf, leaf
 
-    def visit(self, x, visitor, state, node):
-        """Folds the points of leaf `node` into the state; any other node changes
-        nothing. Returns the state, the walk's position after the leaf and the
-        records the leaf emits (`None` if the visitor emits none)."""
-        d2, indices, at_leaf, leaf, after = self.leaf_entries(x, node)
+    def leave(self, node, pending):
+        """Lanes at a leaf go on as `resume` goes, others stay: their `(cursor,
+        pending)` after it."""
+        at_leaf = node >= self.first_leaf
+        resumed, left = self.resume(node, pending)
+        return jnp.where(at_leaf, resumed, node) << 2, jnp.where(at_leaf, left, pending)
+
+    def visit(self, x, visitor, state, cursor, pending):
+        """Folds the points of the lane's leaf into the state, then goes on
+        (`leave`); at any other node it changes nothing. Returns the state, the
+        lane's `(cursor, pending)` after the leaf, and the records the leaf emits
+        (`None` if the visitor emits none)."""
+        node, pending = self.settle(cursor, pending)
+        d2, indices, at_leaf, leaf = self.leaf_entries(x, node)
         visited = visitor.visit_leaf(state, d2, indices)
         state = jax.tree.map(lambda v, s: jnp.where(at_leaf, v, s), visited, state)
         emitted = visitor.leaf_records(d2, indices, leaf)
@@ -316,7 +400,7 @@ class _Steps(eqx.Module):
             if weights is not None:
                 weights = jnp.where(at_leaf, weights, 0)
             emitted = (emits & at_leaf, records, weights)
-        return state, after, emitted
+        return (state, *self.leave(node, pending), emitted)
 
 
 def walk(tree, x: Query, visitor: AbstractVisitor, metric: Minkowski) -> _State:
@@ -331,20 +415,20 @@ def walk(tree, x: Query, visitor: AbstractVisitor, metric: Minkowski) -> _State:
 
     def to_next_leaf(carry):
         def move(c):
-            node, previous, state = c
-            return (*steps.move(x, visitor, state, node, previous), state)
+            cursor, pending, state = c
+            return (*steps.move(x, visitor, state, cursor, pending), state)
 
-        return lax.while_loop(lambda c: steps.is_internal(c[0]), move, carry)
+        return lax.while_loop(lambda c: steps.is_internal(c[0] >> 2), move, carry)
 
     def visit_then_move_on(carry):
-        node, _, state = carry
-        state, parent, _ = steps.visit(x, visitor, state, node)
-        return to_next_leaf((parent, node, state))
+        cursor, pending, state = carry
+        state, cursor, pending, _ = steps.visit(x, visitor, state, cursor, pending)
+        return to_next_leaf((cursor, pending, state))
 
-    index_dtype = tree.leaf_indices.dtype
-    root = (jnp.array(0, index_dtype), jnp.array(-1, index_dtype), visitor.init())
-    walked = lax.while_loop(lambda c: c[0] >= 0, visit_then_move_on, to_next_leaf(root))
-    return walked[2]
+    state = visitor.init()
+    leaf, pending = steps.descend(x, visitor, state)
+    first = (leaf << 2, pending, state)
+    return lax.while_loop(lambda c: (c[0] >> 2) >= 0, visit_then_move_on, first)[2]
 
 
 def morton_codes(
@@ -440,9 +524,9 @@ def walk_many(
     steps_per_visit = step_cap()
     steps = _Steps(tree, metric, node_keys)
     move = jax.vmap(steps.move, in_axes=(0, visitor_axis, 0, 0, 0))
-    visit = jax.vmap(steps.visit, in_axes=(0, visitor_axis, 0, 0))
+    visit = jax.vmap(steps.visit, in_axes=(0, visitor_axis, 0, 0, 0))
 
-    def advance(x, visitor, state, node, previous):
+    def advance(x, visitor, state, cursor, pending):
         """Moves every lane `steps_per_visit` steps towards its next leaf (lanes that
         reach it wait there). Nearly always some lane needs them all, so the loop does
         not test for an early end."""
@@ -450,7 +534,7 @@ def walk_many(
         def one_step(_, c):
             return move(x, visitor, state, *c)
 
-        return lax.fori_loop(0, steps_per_visit, one_step, (node, previous))
+        return lax.fori_loop(0, steps_per_visit, one_step, (cursor, pending))
 
     points = jax.vmap(steps.search_point)(x)
     # Position `i` along the curve is row `order[i]` of the input.
@@ -465,24 +549,24 @@ def walk_many(
     points = _rows(points, order)
     if visitor_axis is not None:
         visitors = _rows(visitors, order)
-    # Every walk starts at its nearest leaf, found for all queries at once. The walk
-    # from the root would stop on the way there only where the visitor prunes, and
-    # visiting a leaf it would prune changes no state.
-    first_node = jax.vmap(steps.nearest_leaf)(points)
+    # Every walk starts at its nearest leaf, found for all queries at once, with the
+    # far children on the way there pending. The walk from the root would stop on
+    # the way there only where the visitor prunes, and visiting a leaf it would
+    # prune changes no state.
+    first_node, first_pending = jax.vmap(
+        lambda x, v, s: steps.descend(x, v, s), in_axes=(0, visitor_axis, 0)
+    )(points, visitors, init(jnp.arange(q, dtype=index_dtype)))
 
-    def take_next(position, finished, node, state):
+    def take_next(position, finished, cursor, pending, state):
         """Lanes that finished start their next query, at `position` along the curve,
         or go idle when they have none left."""
-        node = jnp.where(
-            finished,
-            jnp.where(position < walked, gather_clamped(first_node, position), _IDLE),
-            node,
+        node = jnp.where(position < walked, gather_clamped(first_node, position), _IDLE)
+        cursor = jnp.where(finished, node << 2, cursor)
+        fresh = init(position), gather_clamped(first_pending, position)
+        state, pending = jax.tree.map(
+            lambda f, s: jnp.where(_along(finished, s), f, s), fresh, (state, pending)
         )
-        fresh = init(position)
-        state = jax.tree.map(
-            lambda f, s: jnp.where(_along(finished, s), f, s), fresh, state
-        )
-        return node, state
+        return cursor, pending, state
 
     def finish(out, finished, position, state):
         """The answers with those of the lanes that `finished` written (or added)."""
@@ -500,7 +584,7 @@ def walk_many(
     per_visit = visitors.leaves_per_visit(tree.leaf_size)
     assert per_visit == 1 or sink is None, "emitting visitors visit leaf by leaf"
 
-    def visit_several(x, visitor, state, node, previous):
+    def visit_several(x, visitor, state, cursor, pending):
         """Each lane's next `per_visit` leaves, gathered while the walk moves on with
         the state as it was, then folded in at once: for the k nearest, one merge
         of several leaves costs about what one leaf's did (k = 512: the 9 stages of
@@ -512,8 +596,9 @@ def walk_many(
         )
 
         def gather(r, carry):
-            node, previous, d2s, indices = carry
-            d2, index, at_leaf, _, after = entries(x, node)
+            cursor, pending, d2s, indices = carry
+            node, pending = steps.settle(cursor, pending)
+            d2, index, at_leaf, _ = entries(x, node)
             # A lane not at a leaf contributes padding, which changes no state.
             padding = ~at_leaf[:, None]
             d2s = lax.dynamic_update_slice_in_dim(
@@ -522,33 +607,32 @@ def walk_many(
             indices = lax.dynamic_update_slice_in_dim(
                 indices, jnp.where(padding, tree.n, index), r * size, axis=1
             )
-            previous = jnp.where(at_leaf, node, previous)
-            node, previous = advance(x, visitor, state, after, previous)
-            return node, previous, d2s, indices
+            cursor, pending = steps.leave(node, pending)
+            cursor, pending = advance(x, visitor, state, cursor, pending)
+            return cursor, pending, d2s, indices
 
-        shape = (node.shape[0], per_visit * size)
+        shape = (cursor.shape[0], per_visit * size)
         empty = (
             jnp.full(shape, jnp.inf, steps.tree.leaf_points.dtype),
             jnp.full(shape, tree.n, index_dtype),
         )
-        node, previous, d2, index = lax.fori_loop(
-            0, per_visit, gather, (node, previous, *empty)
+        cursor, pending, d2, index = lax.fori_loop(
+            0, per_visit, gather, (cursor, pending, *empty)
         )
-        return fold(visitor, state, d2, index), node, previous
+        return fold(visitor, state, d2, index), cursor, pending
 
     def step(carry):
-        position, next_free, node, previous, state, out, sink = carry
+        position, next_free, cursor, pending, state, out, sink = carry
         xl, visitor = _rows(points, position), visitors_at(position)
         if per_visit > 1:
-            state, node, previous = visit_several(xl, visitor, state, node, previous)
+            state, cursor, pending = visit_several(xl, visitor, state, cursor, pending)
         else:
-            state, node_after, emitted = visit(xl, visitor, state, node)
+            state, cursor, pending, emitted = visit(xl, visitor, state, cursor, pending)
             if sink is not None:
                 assert emitted is not None, "a walk with a sink needs emitting visitors"
                 sink = sink.appended(*emitted)
-            previous = jnp.where(node >= steps.first_leaf, node, previous)
-            node, previous = advance(xl, visitor, state, node_after, previous)
-        finished = node == -1
+            cursor, pending = advance(xl, visitor, state, cursor, pending)
+        finished = (cursor >> 2) == -1
         out = finish(out, finished, position, state)
         # Lanes that finished take the next queries along the curve, in lane order: a
         # lane is never idle while queries wait, and the walk ends about one query's
@@ -558,8 +642,8 @@ def walk_many(
         dealt = jnp.cumsum(finished, dtype=index_dtype)
         position = jnp.where(finished, next_free + dealt - 1, position)
         next_free = next_free + dealt[-1]
-        node, state = take_next(position, finished, node, state)
-        return position, next_free, node, previous, state, out, sink
+        cursor, pending, state = take_next(position, finished, cursor, pending, state)
+        return position, next_free, cursor, pending, state, out, sink
 
     lane = jnp.arange(lanes, dtype=index_dtype)
     if summed:
@@ -569,8 +653,8 @@ def walk_many(
     carry = (
         lane,
         jnp.asarray(lanes, index_dtype),
-        jnp.where(lane < walked, first_node[:lanes], _IDLE),
-        jnp.full(lanes, -1, index_dtype),
+        jnp.where(lane < walked, first_node[:lanes], _IDLE) << 2,
+        first_pending[:lanes],
         init(lane),
         answers,
         sink,

@@ -232,7 +232,7 @@ def test_fit_chunk_per_backend():
 
 def test_step_cap_per_backend(monkeypatch):
     monkeypatch.setattr(_backend, "ACCELERATOR_STEPS", 7)
-    assert _backend.step_cap("cpu") == _backend.CPU_STEPS == 16
+    assert _backend.step_cap("cpu") == _backend.CPU_STEPS == 8
     assert _backend.step_cap("gpu") == _backend.step_cap("tpu") == 7
 
 

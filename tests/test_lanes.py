@@ -8,7 +8,6 @@ and the last set of queries is partial.
 
 import equinox as eqx
 import jax
-import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -147,36 +146,6 @@ def test_answers_do_not_depend_on_the_step_cap(monkeypatch, cap):
         jax.clear_caches()
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.parametrize("d", [3, 8])
-def test_walks_start_on_the_path_their_moves_take(d):
-    """A walk starts at the leaf its descent chose and, climbing from it, takes each
-    child it comes from for the near one: the descent (all queries at once, in a
-    `fori_loop`) must choose every near child as the moves (one query, in a
-    `while_loop`) do, to the last bit, or a near sibling would be skipped."""
-    rng = np.random.default_rng(d)
-    points = clustered(rng, 5000, d).astype(np.float32)
-    x = rng.uniform(-0.5, 1.5, (50_000, d)).astype(np.float32)
-    tree = kdeqx.KDTree(points)
-
-    @jax.jit
-    def starts_and_paths(tree, x):
-        steps = _traverse._Steps(tree, Minkowski(2.0))
-        x = jax.vmap(steps.search_point)(x)
-
-        def down_as_the_moves(x):
-            node = jnp.zeros((), tree.leaf_indices.dtype)
-            return lax.while_loop(
-                lambda node: steps.is_internal(node),
-                lambda node: steps.children(x, node)[0],
-                node,
-            )
-
-        return jax.vmap(steps.nearest_leaf)(x), jax.vmap(down_as_the_moves)(x)
-
-    starts, paths = starts_and_paths(tree, x)
-    np.testing.assert_array_equal(starts, paths)
 
 
 class _CountPoints(_traverse.AbstractVisitor):
