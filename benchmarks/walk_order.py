@@ -186,14 +186,15 @@ def level_of(node):
 def pending_walk(boxes, q, k, cap):
     """The engine's walk (`kdeqx._traverse`) from the nearest leaf: `(outer
     iterations, leaves visited, moves, k-th squared distance)` with `cap` moves per
-    leaf visit. A far child is left pending if worth a visit when passed; a pending
-    subtree is entered without a new test (its children are tested on the way down,
-    a pending leaf is visited)."""
+    leaf visit. A far child is left pending if worth a visit when passed (every one
+    on the first descent); a pending subtree is entered without a new test (its
+    children are tested on the way down), and a pending leaf is tested in the next
+    move, if one is left before the visit."""
     best = np.full(k, np.inf)
     node, pending = 0, 0
     while node < boxes.first_leaf:  # all queries at once, before the lanes walk
         near, _, _, _ = boxes.children(q, node)
-        pending |= 1 << level_of(near)  # every far child is worth it: no bound yet
+        pending |= 1 << level_of(near)
         node = near
 
     def resume(node):
@@ -207,20 +208,33 @@ def pending_walk(boxes, q, k, cap):
         return ((on_path + 1) ^ 1) - 1
 
     iterations = leaves = moves = 0
+    tested = True  # a leaf reached by going down was tested by its parent's move
     while node >= 0:
         iterations += 1
         if node >= boxes.first_leaf:
             best = np.sort(np.concatenate([best, boxes.leaf_d2(q, node)]))[:k]
             leaves += 1
-            node = resume(node)
+            node, tested = resume(node), False
         for _ in range(cap):
-            if node < 0 or node >= boxes.first_leaf:
+            if node < 0:
                 break
+            if node >= boxes.first_leaf:
+                if tested:
+                    break
+                moves += 1
+                if boxes.box_d2(q, node) < best[-1]:
+                    tested = True
+                    break
+                node = resume(node)
+                continue
             moves += 1
             near, _, near_d2, far_d2 = boxes.children(q, node)
             bit = 1 << level_of(near)
             pending = pending | bit if far_d2 < best[-1] else pending & ~bit
-            node = near if near_d2 < best[-1] else resume(near)
+            if near_d2 < best[-1]:
+                node, tested = near, True
+            else:
+                node, tested = resume(near), False
     return iterations, leaves, moves, best[-1]
 
 

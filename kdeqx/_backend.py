@@ -25,11 +25,15 @@ from ._custom_types import Array, Bool, Float, Int, UInt
 # ---------------------------------------------------------------------------------
 # Lanes: how many queries the traversal engine walks at once.
 
-# XLA:CPU: 1024 lanes moving at most 16 nodes between two leaf visits took 0.65 s,
-# against 0.78-0.94 s for 512 lanes or caps of 8, 12 and 24, and 1.3 s for fixed
-# chunks of 1024 queries. Measured again later (n = 1e6, Q = 1e5, 2 devices): caps of
-# 8, 12, 16, 24 took 0.270, 0.249, 0.222, 0.240 s uniform, 1.25, 0.96, 0.86, 0.99 s
-# on clustered data.
+# XLA:CPU, for the walk that leaves far children pending (n = 1e6, Q = 1e5, k = 8, 2
+# devices): 1024 lanes with at most 6, 8 and 12 moves between two leaf visits took
+# 0.105-0.109, 0.106-0.110 and 0.108-0.117 s on uniform data, 0.300-0.304,
+# 0.298-0.302 and 0.314-0.337 s on clustered data (k = 1, n = 1e5: 0.038-0.042,
+# 0.038 and 0.036-0.041 s); 512 and 2048 lanes with 8 moves 0.111-0.123 and
+# 0.110-0.119 s uniform, 0.310-0.321 and 0.320-0.348 s clustered (512 lanes answer
+# 1e4 queries far from a sheet or a curve 25 % faster: few queries per lane). The
+# walk that climbed back through each parent needed about twice the moves and took
+# 16 (`benchmarks/RESULTS.md`).
 CPU_LANES = 1024
 CPU_STEPS = 8
 # Fewer lanes for larger states, so that the lanes' states stay in cache: at n = 1e5,
@@ -40,9 +44,10 @@ _CPU_STATE_BYTES = 2**17
 _CPU_MIN_LANES = 64
 
 # GPUs and TPUs: enough lanes to fill the device (an H200 keeps ~270k threads in
-# flight), as long as the lanes' states fit in this much memory, and the CPU's step
-# cap. On an H200 (n = 1.4e7, Q = 1e6, k = 8) caps of 8, 16 and 32 took 0.088, 0.088
-# and 0.089 s.
+# flight), as long as the lanes' states fit in this much memory, and 16 moves between
+# leaf visits. On an H200 (n = 1.4e7, Q = 1e6, k = 8), with the walk that climbed back
+# through the parents, caps of 8, 16 and 32 took 0.088, 0.088 and 0.089 s; the
+# pending walk is not measured there yet.
 _ACCELERATOR_MAX_LANES = 2**20
 _ACCELERATOR_STATE_BYTES = 2**30
 ACCELERATOR_STEPS = 16

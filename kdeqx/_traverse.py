@@ -277,33 +277,40 @@ class _Steps(eqx.Module):
         """The level of each `node >= 0`."""
         return (jnp.iinfo(node.dtype).bits - 1) - lax.clz(node + 1)
 
-    def verdict(self, x, visitor, state, node) -> Int[Array, ""]:
-        """Which child of `node` is near and which children the visitor would
-        visit, as bits: 1 if the left child is near, 2 if the near child is worth a
-        visit, 4 if the far one is."""
-        near, far, near_d2, far_d2 = self.children(x, node)
-        if self.prune_factor is not None:  # scipy's `eps`: skip nearly-far subtrees
-            near_d2, far_d2 = near_d2 * self.prune_factor, far_d2 * self.prune_factor
-        keys = self.node_keys
-        visit_near = visitor.should_visit(state, near_d2, gather_clamped(keys, near))
-        visit_far = visitor.should_visit(state, far_d2, gather_clamped(keys, far))
+    def verdict(self, x, visitor, state, left, right) -> Int[Array, ""]:
+        """Which of two nodes (a node's children) is near and which the visitor
+        would visit, as bits: 1 if `left` is near (as on a tie), 2 if the near one
+        is worth a visit, 4 if the far one is."""
+        d2_left, d2_right = self.box_distance(x, left), self.box_distance(x, right)
+        left_is_near = d2_left <= d2_right
+        near = jnp.where(left_is_near, left, right)
+        far = jnp.where(left_is_near, right, left)
+        near_d2 = jnp.minimum(d2_left, d2_right)
+        far_d2 = jnp.maximum(d2_left, d2_right)
+        visit_near = self.worth_visiting(visitor, state, near, near_d2)
+        visit_far = self.worth_visiting(visitor, state, far, far_d2)
         return (
-            (near & 1)
-            | (visit_near.astype(node.dtype) << 1)
-            | (visit_far.astype(node.dtype) << 2)
+            left_is_near.astype(left.dtype)
+            | (visit_near.astype(left.dtype) << 1)
+            | (visit_far.astype(left.dtype) << 2)
         )
 
-    def descend(self, x, visitor, state) -> tuple[Int[Array, ""], Int[Array, ""]]:
-        """The first leaf of a walk, by near children from the root, and its
-        pending subtrees: those of the far children passed on the way that are
-        worth a visit in `state`."""
-        index_dtype = self.tree.leaf_indices.dtype
+    def worth_visiting(self, visitor, state, node, box_d2) -> Bool[Array, ""]:
+        """The visitor's `should_visit` for `node`, at powered box distance
+        `box_d2`."""
+        if self.prune_factor is not None:  # scipy's `eps`: skip nearly-far subtrees
+            box_d2 = box_d2 * self.prune_factor
+        return visitor.should_visit(state, box_d2, gather_clamped(self.node_keys, node))
 
-        def down(_, carry):
-            return self.went_down(carry, self.verdict(x, visitor, state, carry[0]))
-
-        zero = jnp.zeros((), index_dtype)
-        return lax.fori_loop(0, self.depth, down, (zero, zero))
+    def descend(self, x) -> tuple[Int[Array, ""], Int[Array, ""]]:
+        """A walk's first leaf, by near children from the root, as `(cursor,
+        pending)`, with every far child passed on the way pending (they are tested
+        as the walk enters them). The walk from the root would stop on the way only
+        where the visitor prunes, and visiting a leaf it would prune changes no
+        state."""
+        zero = jnp.zeros((), self.tree.leaf_indices.dtype)
+        leaf = lax.fori_loop(0, self.depth, lambda _, n: self.children(x, n)[0], zero)
+        return leaf << 2, (jnp.ones_like(zero) << (self.depth + 1)) - 2
 
     def went_down(self, carry, verdict):
         """`(node, pending)` once the walk has gone down to the near child, the far
@@ -329,19 +336,30 @@ class _Steps(eqx.Module):
     def move(self, x, visitor, state, cursor, pending):
         """One step from an internal node: down to the near child, its sibling left
         pending if worth a visit; or, if the near child is not, on as `resume`
-        goes. A lane at a leaf or done stays put.
+        goes. A lane at a leaf tests it again (a leaf left pending was tested
+        before the visit that tightened the state), and goes on as `resume` goes if
+        it is no longer worth a visit; a lane that is done stays put.
 
         Takes and returns a lane's `(cursor, pending)` (see `settle`).
         """
         node, pending = self.settle(cursor, pending)
-        verdict = self.verdict(x, visitor, state, node)
+        at_leaf = node >= self.first_leaf
+        # A lane at a leaf tests it in both slots: the same gathers as the children.
+        left = jnp.where(at_leaf, node, 2 * node + 1)
+        verdict = self.verdict(
+            x, visitor, state, left, jnp.where(at_leaf, node, left + 1)
+        )
         near, passed = self.went_down((node, pending), verdict)
-        resumed, _ = self.resume(near, passed)
+        resumed, _ = self.resume(
+            jnp.where(at_leaf, node, near), jnp.where(at_leaf, pending, passed)
+        )
         visit_near = (verdict & 2) != 0
-        following = jnp.where(visit_near, near, resumed)
-        update = jnp.where(visit_near, _DOWN | (verdict >> 2), _RESUMED)
+        stay = jnp.where(at_leaf, node, near)
+        following = jnp.where(visit_near, stay, resumed)
+        went_down = jnp.where(at_leaf, 0, _DOWN | (verdict >> 2))
+        update = jnp.where(visit_near, went_down, _RESUMED)
         moved = (following << 2) | update
-        return jnp.where(self.is_internal(node), moved, node << 2), pending
+        return jnp.where(node >= 0, moved, node << 2), pending
 
     def settle(self, cursor, pending):
         """A lane's node and pending subtrees, from its cursor and pending subtrees
@@ -380,10 +398,10 @@ class _Steps(eqx.Module):
 
     def leave(self, node, pending):
         """Lanes at a leaf go on as `resume` goes, others stay: their `(cursor,
-        pending)` after it."""
+        pending)` after it (the resume, like a move's, settled in the next step)."""
+        resumed, _ = self.resume(node, pending)
         at_leaf = node >= self.first_leaf
-        resumed, left = self.resume(node, pending)
-        return jnp.where(at_leaf, resumed, node) << 2, jnp.where(at_leaf, left, pending)
+        return jnp.where(at_leaf, (resumed << 2) | _RESUMED, node << 2), pending
 
     def visit(self, x, visitor, state, cursor, pending):
         """Folds the points of the lane's leaf into the state, then goes on
@@ -425,9 +443,8 @@ def walk(tree, x: Query, visitor: AbstractVisitor, metric: Minkowski) -> _State:
         state, cursor, pending, _ = steps.visit(x, visitor, state, cursor, pending)
         return to_next_leaf((cursor, pending, state))
 
-    state = visitor.init()
-    leaf, pending = steps.descend(x, visitor, state)
-    first = (leaf << 2, pending, state)
+    root = jnp.zeros((), tree.leaf_indices.dtype)
+    first = to_next_leaf((root, root, visitor.init()))
     return lax.while_loop(lambda c: (c[0] >> 2) >= 0, visit_then_move_on, first)[2]
 
 
@@ -549,19 +566,16 @@ def walk_many(
     points = _rows(points, order)
     if visitor_axis is not None:
         visitors = _rows(visitors, order)
-    # Every walk starts at its nearest leaf, found for all queries at once, with the
-    # far children on the way there pending. The walk from the root would stop on
-    # the way there only where the visitor prunes, and visiting a leaf it would
-    # prune changes no state.
-    first_node, first_pending = jax.vmap(
-        lambda x, v, s: steps.descend(x, v, s), in_axes=(0, visitor_axis, 0)
-    )(points, visitors, init(jnp.arange(q, dtype=index_dtype)))
+    # Every walk starts at its nearest leaf, found for all queries at once.
+    first_cursor, first_pending = jax.vmap(steps.descend)(points)
 
     def take_next(position, finished, cursor, pending, state):
         """Lanes that finished start their next query, at `position` along the curve,
         or go idle when they have none left."""
-        node = jnp.where(position < walked, gather_clamped(first_node, position), _IDLE)
-        cursor = jnp.where(finished, node << 2, cursor)
+        fresh_cursor = jnp.where(
+            position < walked, gather_clamped(first_cursor, position), _IDLE << 2
+        )
+        cursor = jnp.where(finished, fresh_cursor, cursor)
         fresh = init(position), gather_clamped(first_pending, position)
         state, pending = jax.tree.map(
             lambda f, s: jnp.where(_along(finished, s), f, s), fresh, (state, pending)
@@ -653,7 +667,7 @@ def walk_many(
     carry = (
         lane,
         jnp.asarray(lanes, index_dtype),
-        jnp.where(lane < walked, first_node[:lanes], _IDLE) << 2,
+        jnp.where(lane < walked, first_cursor[:lanes], _IDLE << 2),
         first_pending[:lanes],
         init(lane),
         answers,
