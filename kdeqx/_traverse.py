@@ -6,8 +6,8 @@ passes by, if the visitor finds it worth a visit, as one bit for its level: in t
 heap layout (the children of node `i` are `2 i + 1` and `2 i + 2`) the far child at a
 level is the sibling of the walk's node's ancestor there, so a lane's whole memory of
 the walk is its node and one integer. Once a subtree is done, the walk goes straight
-into the deepest pending one, without climbing back up through the parents (2-3x
-fewer moves than a walk that climbs; `benchmarks/RESULTS.md`).
+into the deepest pending one, without climbing back up through the parents (about
+half the moves of a walk that climbs, for the same leaves; `benchmarks/RESULTS.md`).
 
 Many queries are walked by a fixed set of lanes (`walk_many`). A vmapped loop costs its
 slowest lane, so a lane whose query is finished takes its next one at once, instead of
