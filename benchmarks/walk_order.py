@@ -604,23 +604,24 @@ def main():
         header = (
             f"n = {args.n:.0e}, {args.queries} uniform queries per data set, "
             f"k = {args.k}, leaves of 16 (the halves); leaves and outer iterations "
-            f"per query (mean) of: the engine | the subtrees passed by, nearest "
+            f"per query (mean) of: the climbing walk | the subtrees passed by, nearest "
             f"first, switch free | the same, one switch | deepest first, switch "
             f"free | best-first below depth 8 | below depth 10"
         )
     elif args.seeds:
         header = (
             f"n = {args.n:.0e}, {args.queries} of 1e5 uniform queries per data set, "
-            f"k = {args.k}; leaves and outer iterations per query (mean), the walk "
-            f"with its bound seeded by: none | predecessor 1 | best of 1-4 | 16th | "
-            f"64th | a leaf by largest distance | the nearest neighbour's leaf | "
+            f"k = {args.k}; leaves and outer iterations per query (mean), the "
+            f"climbing walk with its bound seeded by: none | predecessor 1 | best "
+            f"of 1-4 | 16th | 64th | a leaf by largest distance | the nearest "
+            f"neighbour's leaf | "
             f"eps 0.25, 1, 4 first passes (both passes) | the exact k-th distance"
         )
     else:
         header = (
             f"n = {args.n:.0e}, {args.queries} uniform queries per data set, "
             f"k = {args.k}, leaves of 16 (the halves); mean (p90) per query.\n"
-            f"{'data':>10} {'needed':>12} {'engine lv':>12} {'engine it':>12} "
+            f"{'data':>10} {'needed':>12} {'climb lv':>12} {'climb it':>12} "
             f"{'b-first lv':>12} {'b-first it':>12} {'given lv':>12} {'given it':>12}"
         )
     print(header)
