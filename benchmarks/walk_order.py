@@ -119,11 +119,11 @@ CLIMBING_STEPS = 16
 def climbing_walk(boxes, q, k, bound=np.inf, factor=1.0):
     """The engine's walk until 2026-12-05: near child first from the nearest leaf,
     climbing back through each parent: `(outer iterations, leaves visited, k-th
-    squared distance)`. `factor > 1` prunes as scipy's `eps` does, with `factor =
-    (1 + eps)**2`."""
+    squared distance, moves)`. `factor > 1` prunes as scipy's `eps` does, with
+    `factor = (1 + eps)**2`."""
     best = np.full(k, bound)
     node, previous = boxes.nearest_leaf(q), None
-    iterations = leaves = 0
+    iterations = leaves = moves = 0
     while node >= 0:
         iterations += 1
         if node >= boxes.first_leaf:
@@ -133,11 +133,12 @@ def climbing_walk(boxes, q, k, bound=np.inf, factor=1.0):
         for _ in range(CLIMBING_STEPS):
             if node < 0 or node >= boxes.first_leaf:
                 break
+            moves += 1
             parent = (node - 1) >> 1
             near, far, near_d2, far_d2 = boxes.children(q, node)
             visit = (near_d2 * factor < best[-1], far_d2 * factor < best[-1])
             previous, node = node, following(previous, parent, near, far, *visit)
-    return iterations, leaves, best[-1]
+    return iterations, leaves, best[-1], moves
 
 
 def best_first_walk(boxes, q, k):
@@ -238,23 +239,6 @@ def pending_walk(boxes, q, k, cap):
     return iterations, leaves, moves, best[-1]
 
 
-def climbing_moves(boxes, q, k):
-    """The climbing walk's moves, uncapped."""
-    best = np.full(k, np.inf)
-    node, previous, moves = boxes.nearest_leaf(q), None, 0
-    while node >= 0:
-        if node >= boxes.first_leaf:
-            best = np.sort(np.concatenate([best, boxes.leaf_d2(q, node)]))[:k]
-            previous, node = node, (node - 1) >> 1
-            continue
-        moves += 1
-        parent = (node - 1) >> 1
-        near, far, near_d2, far_d2 = boxes.children(q, node)
-        visit = (near_d2 < best[-1], far_d2 < best[-1])
-        previous, node = node, following(previous, parent, near, far, *visit)
-    return moves
-
-
 PENDING_CAPS = (6, 8, 12, 16)
 
 
@@ -265,8 +249,8 @@ def pending(data, n, queries, k):
     boxes = Boxes(walked_tree(points))
     rows = []
     for q in x.astype(np.float32).astype(np.float64) * float(boxes.scale):
-        iterations, leaves, kth_d2 = climbing_walk(boxes, q, k)
-        row = [leaves, climbing_moves(boxes, q, k), iterations]
+        iterations, leaves, kth_d2, moves = climbing_walk(boxes, q, k)
+        row = [leaves, moves, iterations]
         for cap in PENDING_CAPS:
             walked = pending_walk(boxes, q, k, cap)
             assert walked[3] == kth_d2, "the pending walk lost a neighbour"
@@ -284,8 +268,8 @@ def count(data, n, queries, k):
     boxes = Boxes(tree)
     rows = []
     for q in x.astype(np.float32).astype(np.float64) * float(tree.scale):
-        iterations, leaves, kth_d2 = climbing_walk(boxes, q, k)
-        given, given_leaves, _ = climbing_walk(boxes, q, k, bound=kth_d2 * (1 + 1e-12))
+        iterations, leaves, kth_d2, _ = climbing_walk(boxes, q, k)
+        given, given_leaves, *_ = climbing_walk(boxes, q, k, bound=kth_d2 * (1 + 1e-12))
         rows.append(
             (
                 leaves_needed(boxes, q, kth_d2),
@@ -465,10 +449,10 @@ def seeds(data, n, queries, k, q_all=100_000):
         for bound in bounds:  # the one extra leaf visit of the leaf seeds not counted
             row += climbing_walk(boxes, q, k, bound=bound * (1 + 1e-6))[1::-1]
         for eps in (0.25, 1.0, 4.0):
-            first_it, first_lv, first_kth = climbing_walk(
+            first_it, first_lv, first_kth, _ = climbing_walk(
                 boxes, q, k, factor=(1 + eps) ** 2
             )
-            it, lv, _ = climbing_walk(boxes, q, k, bound=first_kth * (1 + 1e-6))
+            it, lv, *_ = climbing_walk(boxes, q, k, bound=first_kth * (1 + 1e-6))
             row += [first_lv + lv, first_it + it]
         row += climbing_walk(boxes, q, k, bound=kth[p] ** 2 * (1 + 1e-9))[1::-1]
         rows.append(row)

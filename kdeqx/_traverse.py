@@ -250,8 +250,11 @@ class _Steps(eqx.Module):
     def children(self, x, node):
         """The children of `node` as `(near, far)` with their powered box distances;
         the left child is near when the two tie."""
-        left = 2 * node + 1
-        right = left + 1
+        return self.nearer_first(x, 2 * node + 1, 2 * node + 2)
+
+    def nearer_first(self, x, left, right):
+        """`(near, far, near_d2, far_d2)` of two nodes by powered box distance;
+        `left` is near when the two tie."""
         d2_left, d2_right = self.box_distance(x, left), self.box_distance(x, right)
         left_is_near = d2_left <= d2_right
         near = jnp.where(left_is_near, left, right)
@@ -281,16 +284,11 @@ class _Steps(eqx.Module):
         """Which of two nodes (a node's children) is near and which the visitor
         would visit, as bits: 1 if `left` is near (as on a tie), 2 if the near one
         is worth a visit, 4 if the far one is."""
-        d2_left, d2_right = self.box_distance(x, left), self.box_distance(x, right)
-        left_is_near = d2_left <= d2_right
-        near = jnp.where(left_is_near, left, right)
-        far = jnp.where(left_is_near, right, left)
-        near_d2 = jnp.minimum(d2_left, d2_right)
-        far_d2 = jnp.maximum(d2_left, d2_right)
+        near, far, near_d2, far_d2 = self.nearer_first(x, left, right)
         visit_near = self.worth_visiting(visitor, state, near, near_d2)
         visit_far = self.worth_visiting(visitor, state, far, far_d2)
         return (
-            left_is_near.astype(left.dtype)
+            (near == left).astype(left.dtype)
             | (visit_near.astype(left.dtype) << 1)
             | (visit_far.astype(left.dtype) << 2)
         )
@@ -312,26 +310,16 @@ class _Steps(eqx.Module):
         leaf = lax.fori_loop(0, self.depth, lambda _, n: self.children(x, n)[0], zero)
         return leaf << 2, (jnp.ones_like(zero) << (self.depth + 1)) - 2
 
-    def went_down(self, carry, verdict):
-        """`(node, pending)` once the walk has gone down to the near child, the far
-        one left pending if worth a visit."""
-        node, pending = carry
-        near = 2 * node + 2 - (verdict & 1)
-        bit = jnp.ones_like(pending) << self.level(near)
-        visit_far = (verdict & 4) != 0
-        return near, jnp.where(visit_far, pending | bit, pending & ~bit)
-
     def resume(self, node, pending):
         """Where a walk goes once the subtree of `node` is done: into the deepest
-        pending subtree (taken off `pending`), or to `-1` when none is left."""
+        pending subtree, or to `-1` when none is left. (`settle` then takes it off
+        `pending`.)"""
         level = self.level(node)
-        one = jnp.ones_like(pending)
-        pending = pending & ((one << (level + 1)) - 1)
+        pending = pending & ((jnp.ones_like(pending) << (level + 1)) - 1)
         deepest = (jnp.iinfo(pending.dtype).bits - 1) - lax.clz(pending)
         on_path = ((node + 1) >> (level - deepest)) - 1
         sibling = ((on_path + 1) ^ 1) - 1
-        left = pending & ((one << deepest) - 1)
-        return jnp.where(pending != 0, sibling, -1), left
+        return jnp.where(pending != 0, sibling, -1)
 
     def move(self, x, visitor, state, cursor, pending):
         """One step from an internal node: down to the near child, its sibling left
@@ -349,16 +337,15 @@ class _Steps(eqx.Module):
         verdict = self.verdict(
             x, visitor, state, left, jnp.where(at_leaf, node, left + 1)
         )
-        near, passed = self.went_down((node, pending), verdict)
-        resumed, _ = self.resume(
+        near = 2 * node + 2 - (verdict & 1)
+        down = (near << 2) | _DOWN | (verdict >> 2)
+        # A resume from the near child sees its far sibling pending, if worth it.
+        _, passed = self.settle(down, pending)
+        resumed = self.resume(
             jnp.where(at_leaf, node, near), jnp.where(at_leaf, pending, passed)
         )
-        visit_near = (verdict & 2) != 0
-        stay = jnp.where(at_leaf, node, near)
-        following = jnp.where(visit_near, stay, resumed)
-        went_down = jnp.where(at_leaf, 0, _DOWN | (verdict >> 2))
-        update = jnp.where(visit_near, went_down, _RESUMED)
-        moved = (following << 2) | update
+        stay = jnp.where(at_leaf, node << 2, down)
+        moved = jnp.where((verdict & 2) != 0, stay, (resumed << 2) | _RESUMED)
         return jnp.where(node >= 0, moved, node << 2), pending
 
     def settle(self, cursor, pending):
@@ -399,7 +386,7 @@ class _Steps(eqx.Module):
     def leave(self, node, pending):
         """Lanes at a leaf go on as `resume` goes, others stay: their `(cursor,
         pending)` after it (the resume, like a move's, settled in the next step)."""
-        resumed, _ = self.resume(node, pending)
+        resumed = self.resume(node, pending)
         at_leaf = node >= self.first_leaf
         return jnp.where(at_leaf, (resumed << 2) | _RESUMED, node << 2), pending
 
