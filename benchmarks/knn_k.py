@@ -2,7 +2,7 @@
 
     python benchmarks/knn_k.py [--n 1e5] [--queries 1e4] [--k 8 32 128 512]
         [--data uniform clustered clustered-inside surface line] [--cpu-devices 2]
-        [--peers pykdtree] [--leaf-size 32]
+        [--peers pykdtree] [--leaf-size 32] [--in-jit]
 
 For each k: kdeqx, scipy's cKDTree with workers=1 and workers=-1, and pykdtree (if
 installed, `pip install -e ".[bench]"`), on the same data in one process, best of
@@ -13,6 +13,8 @@ Data: uniform; 64 tight blobs with queries uniform in the cube (mostly between t
 blobs) or drawn from the blobs; a curved sheet and a thin curve, queries uniform in
 the cube (far from most points: the walk's worst case). `--cpu-devices N` gives JAX
 N CPU devices, over which kdeqx splits the queries (the default: one, as JAX starts).
+kdeqx's query is timed as called (it is jitted inside), or with `--in-jit` inside the
+caller's own `jit`.
 """
 
 import argparse
@@ -98,6 +100,9 @@ def main():
     parser.add_argument("--data", nargs="+", default=["uniform"], choices=list(DATA))
     parser.add_argument("--cpu-devices", type=int, default=1)
     parser.add_argument("--leaf-size", type=int, default=None)
+    # By default the query is timed as called (it is jitted inside); inside a caller's
+    # own `jit`, the caller's compiler options apply (`docs/scaling.md`).
+    parser.add_argument("--in-jit", action="store_true")
     # scipy takes minutes for queries far from a sheet or a curve; leave it out there.
     parser.add_argument(
         "--peers", nargs="+", default=["scipy w=1", "scipy w=-1", "pykdtree"]
@@ -115,10 +120,13 @@ def run(args, data):
         f"{jax.device_count()} x {jax.devices()[0].device_kind}, jax "
         f"{jax.__version__}; n = {len(points):,}, Q = {len(x):,}, d = {args.d}, "
         f"float32 {data}, leaf size {args.leaf_size or 'default'}"
+        + (", inside the caller's jit" if args.in_jit else "")
     )
     leaf = {} if args.leaf_size is None else dict(leaf_size=args.leaf_size)
     tree = kdeqx.KDTree(points, **leaf)
-    query = eqx.filter_jit(lambda t, x, k: t.query(x, k))
+    query = lambda t, x, k: t.query(x, k)  # noqa: E731
+    if args.in_jit:
+        query = eqx.filter_jit(query)
     peers = native_trees(points)
     for k in args.k:
         distances, _ = jax.block_until_ready(query(tree, x, k))  # compiled here

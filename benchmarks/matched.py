@@ -5,8 +5,10 @@
 kdeqx against scipy's cKDTree (`workers=1` and `workers=-1`) and pykdtree (if
 installed) on the same uniform 3-D float32 data in one process, best of `--repeats`,
 with every core and then with the process pinned to core 0. The build is one program
-(no split); counts and IDW are split over `--cpu-devices` CPU devices. IDW for the
-peers is their k-nearest query plus numpy weights; pykdtree has no radius count.
+(no split); counts and IDW are split over `--cpu-devices` CPU devices, timed as
+called (they are jitted inside), or with `--in-jit` inside the caller's own `jit`.
+IDW for the peers is their k-nearest query plus numpy weights; pykdtree has no
+radius count.
 """
 
 import argparse
@@ -27,12 +29,15 @@ def idw_from(distances, indices, values):
     return np.sum(weights * values[indices], axis=-1)
 
 
-def tasks(points, x, values, r):
+def tasks(points, x, values, r, in_jit=False):
     """`name -> {implementation -> fn}` for every task."""
     build = eqx.filter_jit(kdeqx.KDTree)
     tree = build(points)
-    count = eqx.filter_jit(lambda t, x: t.count_ball_point(x, r))
-    idw = eqx.filter_jit(lambda t, x, v: t.interpolate(x, v, k=K, power=POWER))
+    # Queries as called (jitted inside); `--in-jit`: inside the caller's own `jit`.
+    count = lambda t, x: t.count_ball_point(x, r)  # noqa: E731
+    idw = lambda t, x, v: t.interpolate(x, v, k=K, power=POWER)  # noqa: E731
+    if in_jit:
+        count, idw = eqx.filter_jit(count), eqx.filter_jit(idw)
     reference = cKDTree(points)
     table = {
         "build": {
@@ -70,6 +75,7 @@ def main():
     parser.add_argument("--queries", type=float, default=1e5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cpu-devices", type=int, default=1)
+    parser.add_argument("--in-jit", action="store_true")
     args = parser.parse_args()
     jax.config.update("jax_num_cpu_devices", args.cpu_devices)
     rng = np.random.default_rng(0)
@@ -81,9 +87,9 @@ def main():
     print(
         f"{jax.device_count()} x {jax.devices()[0].device_kind}, jax "
         f"{jax.__version__}; n = {n:,}, Q = {q:,}, float32 uniform, "
-        f"count radius {r:.4f}"
+        f"count radius {r:.4f}" + (", inside the caller's jit" if args.in_jit else "")
     )
-    for name, implementations in tasks(points, x, values, r).items():
+    for name, implementations in tasks(points, x, values, r, args.in_jit).items():
         for fn in implementations.values():
             jax.block_until_ready(fn())  # compiled, warm
         print_matched(f"{name:<8}", implementations, args.repeats)

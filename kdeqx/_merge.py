@@ -1,14 +1,18 @@
 """Keeping the k best `(squared distance, index)` pairs as a walk visits leaves.
 
-Two merges of a leaf into the sorted best list, with the same answers:
+Three merges of a leaf into the sorted best list, with the same answers:
 
-- by ranks (`k <= RANK_MERGE_MAX_K` and `L <= RANK_MERGE_MAX_LEAF`): each entry's
-  merged position is a count of comparisons, `O(k^2 + k L + L^2)` work for `L` leaf
-  entries, all vectorised: the fastest for small `k` and small leaves;
+- by one reduction (`k <= SMALL_K`, pairs packed into 64-bit keys): the best list
+  and the leaf's entries, in small sorted groups, as sorted lists of `K` keys (`K`
+  the next power of two `>= k`) combined two at a time by a merge that keeps the `K`
+  smallest: `O((K + L) log K)` work for `L` leaf entries, which XLA:CPU emits as one
+  loop;
+- by ranks (`k <= SMALL_K` otherwise, `L <= RANK_MERGE_MAX_LEAF`): each entry's
+  merged position is a count of comparisons, `O(k^2 + k L + L^2)` work;
 - by bitonic networks (otherwise): the leaf is sorted by one network, folded into the
   best list by an elementwise minimum with its reverse (which leaves the `K` smallest of
   both as one bitonic sequence), and that is sorted by a bitonic merge: `O(K log K +
-  L log^2 L)` work, `K` the next power of two `>= k`, and nothing of size `k x k`.
+  L log^2 L)` work, and nothing of size `k x k`.
 
 Pairs are compared as packed 64-bit keys where they fit (`kdeqx._backend.pack_pairs`).
 Inside the packed keys' x64 context everything is written in `lax` alone.
@@ -20,6 +24,7 @@ import jax.numpy as jnp
 from ._backend import (
     largest_pairs,
     pack_pairs,
+    packs_pairs,
     pair_keys_context,
     pairs_before,
     pairs_minmax,
@@ -29,14 +34,19 @@ from ._backend import (
 from ._custom_types import Array, Float, Int
 
 
-# Measured on XLA:CPU (n = 1e5, Q = 1e4, leaf 32, 2 devices): the rank merge is faster
-# up to here (k = 8: 0.017 s against 0.021 s; k = 16: 0.027 against 0.030), the
-# networks beyond (k = 24: 0.029 against 0.038; k = 32: 0.035 against 0.053).
-RANK_MERGE_MAX_K = 16
-# ... and for leaves of at most this many entries: its leaf-by-leaf comparisons grow
-# as `L^2`. k = 8, n = 1e6, Q = 1e5, 2 devices, by ranks against by networks:
-# leaves of 32, 0.15 s against 0.22 s; 40, 0.36 against 0.43 s; 48, 0.47 against
-# 0.41 s; 64, 0.72 against 0.35 s.
+# Up to this k the small merges (by reduction or by ranks), the networks beyond.
+# Measured on XLA:CPU (float32, 3-D, 2 devices), k = 1, 8 and 16 at n = 1e6, Q = 1e5
+# by reduction against by ranks: 0.039, 0.089 and 0.150 s against 0.051, 0.097 and
+# 0.164 s on uniform data; 0.084, 0.260 and 0.449 s against 0.129, 0.296 and 0.502 s
+# on clustered data. At n = 1e5, Q = 1e4, by reduction against by networks: k = 24,
+# 0.033 against 0.024 s; k = 32, 0.040 against 0.028 s. (Earlier, by ranks against
+# by networks: k = 8: 0.017 s against 0.021 s; k = 16: 0.027 against 0.030.)
+SMALL_K = 16
+# The rank merge only for leaves of at most this many entries: its leaf-by-leaf
+# comparisons grow as `L^2`. k = 8, n = 1e6, Q = 1e5, 2 devices, by ranks against by
+# networks: leaves of 32, 0.15 s against 0.22 s; 40, 0.36 against 0.43 s; 48, 0.47
+# against 0.41 s; 64, 0.72 against 0.35 s. (By reduction: leaves of 32, 0.084 s;
+# 64, 0.094 s, against 0.269 s by networks.)
 RANK_MERGE_MAX_LEAF = 40
 
 _Keys = tuple[Array, ...]
@@ -54,7 +64,7 @@ def leaves_per_merge(k: int, leaf_size: int) -> int:
     4, 8: 0.35, 0.26, 0.23 s and 0.54, 0.39, 0.47 s; k = 512, 1, 4, 8: 0.90, 0.43,
     0.40 s; k = 1024, one core, 1, 4, 8, 16: 5.44, 2.27, 1.67, 1.69 s.
     """
-    if k <= RANK_MERGE_MAX_K:
+    if k <= SMALL_K:
         return 1
     return min(8, max(1, _next_power_of_two(k) // (2 * leaf_size)))
 
@@ -70,7 +80,13 @@ def merge_k_best(
     No real point appears twice. Squared distances are `>= 0` (the leaf's padding is
     `(inf, n)`) and indices `>= -1`.
     """
-    if best_d2.shape[0] <= RANK_MERGE_MAX_K and d2.shape[0] <= RANK_MERGE_MAX_LEAF:
+    k, leaf_size = best_d2.shape[0], d2.shape[0]
+    if k <= SMALL_K and packs_pairs(d2.dtype, best_indices.dtype):
+        return merge_by_reduction(best_d2, best_indices, d2, indices)
+    if k <= SMALL_K and leaf_size <= RANK_MERGE_MAX_LEAF:
+        # Pairs that do not pack (float64): by reduction, its merges compare and
+        # select two arrays each, and the rank merge was faster (k = 8, n = 1e6,
+        # Q = 1e5: 0.147 against 0.154 s uniform, 0.457 against 0.500 s clustered).
         return merge_by_ranks(best_d2, best_indices, d2, indices)
     return merge_by_networks(best_d2, best_indices, d2, indices)
 
@@ -98,6 +114,95 @@ def merge_by_ranks(best_d2, best_indices, d2, indices):
         pick_one_hot(((from_best, best_d2), (from_leaf, d2))),
         pick_one_hot(((from_best, best_indices), (from_leaf, indices))),
     )
+
+
+def merge_by_reduction(best_d2, best_indices, d2, indices):
+    """One reduction over sorted lists of `K` keys (`K` the next power of two `>= k`),
+    each padded with the largest key: the best list, and the leaf's entries in
+    groups of `_GROUP`, each sorted by a small network. Two lists are combined by a
+    merge that keeps the `K` smallest, which is associative and commutative, so
+    XLA may reduce in any order.
+
+    XLA:CPU emits the reduction, with the leaf's keys and the groups' networks, as
+    one loop over the lanes that writes every slot of the list (the same merge
+    written slot by slot went to a loop per slot, each computing the slots before
+    it again; the rank merge's reductions run element by element).
+    """
+    k, leaf_size = best_d2.shape[0], d2.shape[0]
+    size = _next_power_of_two(k)
+    group = min(_GROUP, size)
+    with pair_keys_context(d2.dtype, indices.dtype):
+        best = pack_pairs(best_d2, best_indices)
+        leaf = _padded(pack_pairs(d2, indices), -(-leaf_size // group) * group)
+        groups = _length(leaf) // group
+        # Slot `j` of every group, sorted within each group.
+        columns = _sorting_network(
+            [
+                tuple(lax.slice_in_dim(a, j, None, group) for a in leaf)
+                for j in range(group)
+            ]
+        )
+        largest = largest_pairs(best, 1)
+        beyond = largest_pairs(best, groups)
+
+        def slot(i: int) -> _Keys:
+            """Slot `i` of every list of the reduction."""
+            head = _slice(best, i, i + 1) if i < k else largest
+            return _concatenate(head, columns[i] if i < group else beyond)
+
+        parts = len(best)
+        operands = tuple(a for i in range(size) for a in slot(i))
+        identity = tuple(lax.index_in_dim(a, 0, keepdims=False) for a in largest)
+
+        def merge(a, b):
+            a = [a[i * parts : (i + 1) * parts] for i in range(size)]
+            b = [b[i * parts : (i + 1) * parts] for i in range(size)]
+            return tuple(key for slot in _smallest_of_sorted(a, b) for key in slot)
+
+        merged = lax.reduce(operands, identity * size, merge, (0,))
+        keys = tuple(
+            lax.concatenate(
+                [lax.expand_dims(merged[i * parts + part], (0,)) for i in range(k)], 0
+            )
+            for part in range(parts)
+        )
+        return unpack_pairs(keys, best_d2.dtype, best_indices.dtype)
+
+
+# The leaf's entries enter `merge_by_reduction` in sorted groups of this many:
+# fewer, larger lists to merge. k = 8, leaves of 16, one core, 1,024 lanes: groups
+# of 1, 2, 4 and 8 took 113, 75, 62 and 73 us per merge, the rank merge 246 us.
+_GROUP = 4
+# Optimal sorting networks (Knuth, TAOCP 5.3.4) as compare-exchange pairs.
+_NETWORKS = {
+    1: (),
+    2: ((0, 1),),
+    4: ((0, 1), (2, 3), (0, 2), (1, 3), (1, 2)),
+}
+
+
+def _sorting_network(keys: list[_Keys]) -> list[_Keys]:
+    """Sorts `len(keys)` arrays of keys elementwise (entry `i` of the outputs, in
+    order, are the sorted entries `i` of the inputs)."""
+    keys = list(keys)
+    for i, j in _NETWORKS[len(keys)]:
+        keys[i], keys[j] = pairs_minmax(keys[i], keys[j])
+    return keys
+
+
+def _smallest_of_sorted(a: list[_Keys], b: list[_Keys]) -> list[_Keys]:
+    """The `K` smallest of two sorted lists of `K` keys, sorted: the elementwise
+    minimum of `a` and reversed `b` is bitonic, which one compare-exchange stage per
+    halving of the stride sorts."""
+    size = len(a)
+    keys = [pairs_minmax(a[i], b[size - 1 - i])[0] for i in range(size)]
+    stride = size // 2
+    while stride >= 1:
+        for start in range(0, size, 2 * stride):
+            for i in range(start, start + stride):
+                keys[i], keys[i + stride] = pairs_minmax(keys[i], keys[i + stride])
+        stride //= 2
+    return keys
 
 
 def merge_by_networks(best_d2, best_indices, d2, indices):

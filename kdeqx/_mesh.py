@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from ._backend import device_per_core_options
+
 
 def _explicit_mesh(tree):
     """The mesh of the first array in `tree` sharded over explicit axes, or `None`."""
@@ -81,14 +83,32 @@ def split_over_cpu_devices(fn):
         # Called eagerly, the tree (and queries committed to one device) go to every
         # device without copies; inside the caller's `jit`, JAX copies the tree.
         tree, x, threshold = shared_with_cpu_devices((tree, x, jnp.asarray(threshold)))
-        return _split_queries(fn, tuple(devices), tree, x, threshold, config)
+        # (Compiler options apply to an outermost `jit` alone; inside a trace, even
+        # the threshold made here is a tracer.)
+        traced = any(
+            isinstance(a, jax.core.Tracer)
+            for a in jax.tree.leaves((tree, x, threshold))
+        )
+        options = {} if traced else device_per_core_options(len(devices))
+        split_queries = _split_queries_jitted(tuple(options.items()))
+        return split_queries(fn, tuple(devices), tree, x, threshold, config)
 
     return split
 
 
-# Jitted, so that a call from outside any `jit` compiles once: an eager `shard_map`
-# compiled its body again on every call (0.85 s for a k = 8 query of 0.015 s).
-@eqx.filter_jit
+@ft.cache
+def _split_queries_jitted(compiler_options: tuple):
+    """`_split_queries`, jitted with these compiler options (items of a dict: see
+    `kdeqx._backend.device_per_core_options`), which apply where this `jit` is the
+    outermost. Jitted, so that a call from outside any `jit` compiles once: an eager
+    `shard_map` compiled its body again on every call (0.85 s for a k = 8 query of
+    0.015 s)."""
+    if not compiler_options:
+        return eqx.filter_jit(_split_queries)
+    # (`filter_jit` hands keyword arguments on to `jax.jit`; its type hints omit them.)
+    return eqx.filter_jit(_split_queries, compiler_options=dict(compiler_options))  # pyright: ignore[reportCallIssue]
+
+
 def _split_queries(fn, devices: tuple, tree, x, threshold, config: tuple):
     batch = x.shape[:-1]
     q = math.prod(batch)

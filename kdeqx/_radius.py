@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from ._backend import sort_pairs
 from ._custom_types import Array, Ball, Bool, Float, Int, Queries, Threshold
-from ._merge import leaves_per_merge, merge_k_best, RANK_MERGE_MAX_K
+from ._merge import leaves_per_merge, merge_k_best, SMALL_K
 from ._mesh import split_like_queries, split_over_cpu_devices
 from ._metric import Minkowski
 from ._search import found_distances, search
@@ -108,7 +108,7 @@ def _nearest_in_ball(
             metric,
         )
 
-    if capacity <= RANK_MERGE_MAX_K:
+    if capacity <= SMALL_K:
         return collecting(nearest=True)
     (d2, indices, counts), far = collecting(nearest=False)
     collected = (*sort_pairs(d2, indices), counts)
