@@ -18,7 +18,9 @@ the HLO passes. Each run takes about two minutes under valgrind.
 
 times the three stages on the wall clock instead (a fresh `jax.jit` each time; the
 first time, in a fresh process, also traces the library's inner functions, which later
-times find in JAX's caches).
+times find in JAX's caches). The query is compiled as inside a caller's `jit`; with
+`--as-called`, with the compiler options of a query called from outside any `jit`
+(which differ with several CPU devices, one per core).
 """
 
 import argparse
@@ -29,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 import kdeqx
+from kdeqx._backend import device_per_core_options
 
 
 def main():
@@ -38,24 +41,35 @@ def main():
     parser.add_argument("--queries", type=float, default=1e4)
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--time", action="store_true")
+    parser.add_argument("--as-called", action="store_true")
     args = parser.parse_args()
     points = jax.ShapeDtypeStruct((int(args.n), 3), jnp.float32)
     tree = jax.eval_shape(kdeqx.KDTree, points)
     x = jax.ShapeDtypeStruct((int(args.queries), 3), jnp.float32)
     if args.time:
-        time_stages(tree, x, args.k)
+        time_stages(tree, x, args.k, jit_options(args.as_called))
         return
-    lowered = jax.jit(lambda t, x: t.query(x, args.k)).lower(tree, x)
+    jitted = jax.jit(lambda t, x: t.query(x, args.k), **jit_options(args.as_called))
+    lowered = jitted.lower(tree, x)
     if not args.lower_only:
         lowered.compile()
 
 
-def time_stages(tree, x, k, repeats=6):
+def jit_options(as_called: bool) -> dict:
+    """`jax.jit`'s options: none (a query inside the caller's `jit`), or, `as_called`,
+    the compiler options of a query called from outside any `jit`, which is compiled
+    as its own program (`kdeqx._backend.device_per_core_options`)."""
+    if not as_called or jax.device_count() < 2:
+        return {}
+    return {"compiler_options": device_per_core_options(jax.device_count())}
+
+
+def time_stages(tree, x, k, options, repeats=6):
     """Prints the wall-clock seconds of tracing, lowering and compiling the query."""
     stages = {"trace": [], "lower": [], "compile": [], "total": []}
     for _ in range(repeats):
         start = time.perf_counter()
-        traced = jax.jit(lambda t, x: t.query(x, k)).trace(tree, x)
+        traced = jax.jit(lambda t, x: t.query(x, k), **options).trace(tree, x)
         traced_at = time.perf_counter()
         lowered = traced.lower()
         lowered_at = time.perf_counter()

@@ -277,20 +277,6 @@ def norm_without_overflow(
     return metric.norm(scaled) * power_of_two(exponent, diff.dtype)[..., 0]
 
 
-def norm_of_axes_without_overflow(
-    diffs: list[Float[Array, "*shape"]],
-    largest: Float[Array, "*shape"],
-    metric: Minkowski = EUCLIDEAN,
-) -> Float[Array, "*shape"]:
-    """`norm_without_overflow` of coordinate differences given axis by axis, with
-    `largest = max_j |diffs[j]|`: no reduction over a short last axis (which XLA:CPU
-    hands to YNNPACK, dear to compile)."""
-    exponent = unit_exponent(largest)
-    down = power_of_two(-exponent, largest.dtype)
-    powered = metric.powered_of_axes([diff * down for diff in diffs])
-    return metric.root(powered) * power_of_two(exponent, largest.dtype)
-
-
 def unit_exponent(largest: Float[Array, "*shape"]) -> Array:
     """`e` such that `largest / 2**e` lies in `[1, 2)`, clipped so that `2**e` and
     `2**-e` are normal numbers (held constant under differentiation): a unit in
