@@ -1,7 +1,6 @@
 """The demo: `python -m kdeqx` builds a tree, queries it, and compares with scipy."""
 
 import argparse
-import os
 import sys
 import time
 
@@ -9,6 +8,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from ._backend import available_cores
 from ._tree import KDTree
 
 
@@ -44,9 +44,8 @@ def _one_cpu_device_per_core() -> None:
     """One CPU device per core, before JAX starts its backend: a `KDTree` then splits
     large query batches over them, each walked by its own lanes (~1.7x faster than
     one device's intra-op threads on 2 cores). A script sets this, not a library."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     try:
-        jax.config.update("jax_num_cpu_devices", cores or os.cpu_count() or 1)
+        jax.config.update("jax_num_cpu_devices", available_cores())
     except RuntimeError:  # JAX already started (the demo called from Python)
         pass
 

@@ -118,10 +118,11 @@ def device_per_core_options(devices: int) -> dict[str, str]:
     """XLA compiler options for a program whose work is split over `devices` CPU
     devices: without splits of each kernel over the cores when there are at least
     as many devices as cores for this process, none otherwise."""
-    return dict(_WITHOUT_KERNEL_SPLITS) if devices >= _available_cores() else {}
+    return dict(_WITHOUT_KERNEL_SPLITS) if devices >= available_cores() else {}
 
 
-def _available_cores() -> int:
+def available_cores() -> int:
+    """The cores this process may run on."""
     sched_getaffinity = getattr(os, "sched_getaffinity", None)
     if sched_getaffinity is not None:
         return len(sched_getaffinity(0))

@@ -300,15 +300,22 @@ class _Steps(eqx.Module):
             box_d2 = box_d2 * self.prune_factor
         return visitor.should_visit(state, box_d2, gather_clamped(self.node_keys, node))
 
-    def descend(self, x) -> tuple[Int[Array, ""], Int[Array, ""]]:
-        """A walk's first leaf, by near children from the root, as `(cursor,
-        pending)`, with every far child passed on the way pending (they are tested
-        as the walk enters them). The walk from the root would stop on the way only
+    def descend(self, x) -> Int[Array, ""]:
+        """A walk's first leaf, by near children from the root, as a cursor; every
+        far child passed on the way is pending (`first_pending`: they are tested as
+        the walk enters them). The walk from the root would stop on the way only
         where the visitor prunes, and visiting a leaf it would prune changes no
         state."""
         zero = jnp.zeros((), self.tree.leaf_indices.dtype)
         leaf = lax.fori_loop(0, self.depth, lambda _, n: self.children(x, n)[0], zero)
-        return leaf << 2, (jnp.ones_like(zero) << (self.depth + 1)) - 2
+        return leaf << 2
+
+    @property
+    def first_pending(self) -> Int[Array, ""]:
+        """The pending subtrees at a walk's first leaf: the far child at every level
+        below the root's (the same for every query)."""
+        one = jnp.ones((), self.tree.leaf_indices.dtype)
+        return (one << (self.depth + 1)) - 2
 
     def resume(self, node, pending):
         """Where a walk goes once the subtree of `node` is done: into the deepest
@@ -554,7 +561,7 @@ def walk_many(
     if visitor_axis is not None:
         visitors = _rows(visitors, order)
     # Every walk starts at its nearest leaf, found for all queries at once.
-    first_cursor, first_pending = jax.vmap(steps.descend)(points)
+    first_cursor = jax.vmap(steps.descend)(points)
 
     def take_next(position, finished, cursor, pending, state):
         """Lanes that finished start their next query, at `position` along the curve,
@@ -563,9 +570,9 @@ def walk_many(
             position < walked, gather_clamped(first_cursor, position), _IDLE << 2
         )
         cursor = jnp.where(finished, fresh_cursor, cursor)
-        fresh = init(position), gather_clamped(first_pending, position)
-        state, pending = jax.tree.map(
-            lambda f, s: jnp.where(_along(finished, s), f, s), fresh, (state, pending)
+        pending = jnp.where(finished, steps.first_pending, pending)
+        state = jax.tree.map(
+            lambda f, s: jnp.where(_along(finished, s), f, s), init(position), state
         )
         return cursor, pending, state
 
@@ -655,7 +662,7 @@ def walk_many(
         lane,
         jnp.asarray(lanes, index_dtype),
         jnp.where(lane < walked, first_cursor[:lanes], _IDLE << 2),
-        first_pending[:lanes],
+        jnp.full(lanes, steps.first_pending),
         init(lane),
         answers,
         sink,

@@ -243,12 +243,12 @@ def test_step_cap_per_backend(monkeypatch):
 
 
 def test_kernels_are_split_over_cores_only_when_devices_are_fewer(monkeypatch):
-    monkeypatch.setattr(_backend, "_available_cores", lambda: 2)
+    monkeypatch.setattr(_backend, "available_cores", lambda: 2)
     without_splits = {"xla_disable_hlo_passes": "cpu-parallel-task-assigner"}
     assert _backend.device_per_core_options(2) == without_splits
     assert _backend.device_per_core_options(4) == without_splits
     assert _backend.device_per_core_options(1) == {}
-    monkeypatch.setattr(_backend, "_available_cores", lambda: 16)
+    monkeypatch.setattr(_backend, "available_cores", lambda: 16)
     assert _backend.device_per_core_options(2) == {}
 
 
