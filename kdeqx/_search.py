@@ -20,6 +20,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 
 from ._custom_types import Array, Bool, Float, Int, PyTree
+from ._floats import binary_exponent, power_of_two
 from ._metric import (
     minimum_image,
     Minkowski,
@@ -34,9 +35,9 @@ if TYPE_CHECKING:
 
 
 class FarQueries(eqx.Module):
-    """Which queries lie beyond the search's clamp (`far_limit`), and each query's
-    distance to the tree's bounding box: for a far query, the distance to every point
-    of the tree, to float precision.
+    """Which queries lie beyond the search's clamp (`far_limit`), and each far
+    query's distance to the tree's bounding box (NaN for the others): the distance to
+    every point of the tree, to float precision.
 
     The walk answers a far query from its clamped position, which is nearer the tree:
     it ranks every point equal (so by index) and may admit points that are beyond the
@@ -56,8 +57,12 @@ def far_queries(
 ) -> FarQueries:
     x = wrap_into_box(lax.stop_gradient(x), tree.period)
     scale = lax.stop_gradient(tree.scale)
+    # `/ scale` as a product by the power of two `1 / scale`, built from its bits (a
+    # division is a kernel of its own on XLA:CPU). Exact, but for data so small
+    # that every coordinate is subnormal (zeros on XLA:CPU, which flushes them).
+    unscale = power_of_two(-binary_exponent(scale), scale.dtype)
     lo, hi = (
-        lax.stop_gradient(box[:, 0]) / scale for box in (tree.node_lo, tree.node_hi)
+        lax.stop_gradient(box[:, 0]) * unscale for box in (tree.node_lo, tree.node_hi)
     )
     # Axis by axis: reductions over the short last axis made this check about a
     # seventh of a kNN query's compile.
@@ -66,18 +71,20 @@ def far_queries(
         for j in range(x.shape[-1])
     ]
     largest = ft.reduce(jnp.maximum, gaps)
-    # The gaps in units of the largest, whose powers neither overflow nor underflow
-    # (a division: an exact scaling by a power of two, read off the largest gap's bits,
-    # was repeated by XLA:CPU in each of the three kernels that read the distance, and
-    # took ~0.03 s more of a kNN query's compile of ~0.6 s).
-    unit = jnp.where(largest > 0, largest, 1)
-    distance = metric.from_power(metric.powered_of_axes([g / unit for g in gaps]))
     # Every clamped query is this far (the tree lies within 1 of the origin), and from
-    # this far every point is at `distance`, to float precision, anyway.
-    return FarQueries(
-        far=largest * scale >= far_limit(x.dtype, x.shape[-1], metric) / 2,
-        distance=distance * largest,
-    )
+    # this far every point is at its distance, to float precision, anyway.
+    far = largest * scale >= far_limit(x.dtype, x.shape[-1], metric) / 2
+    # The gaps in units of a power of two near the largest (exact scalings), whose
+    # powers neither overflow nor underflow.
+    exponent = binary_exponent(largest)
+    in_units = [g * power_of_two(-exponent, g.dtype) for g in gaps]
+    powered = jnp.where(far, metric.powered_of_axes(in_units), jnp.nan)
+    # One array, NaN where not far, whose last step is a division (exact, by a power
+    # of two): XLA:CPU computes it once, where it computed every cheaper last step
+    # again, with the whole check, in each kernel that reads it (the two that end a
+    # kNN query had ~125 operations each, now ~30).
+    distance = metric.from_power(powered) / power_of_two(-exponent, largest.dtype)
+    return FarQueries(far=~jnp.isnan(distance), distance=distance)
 
 
 def search_threshold(

@@ -27,10 +27,12 @@ import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
+import numpy as np
 
 from ._backend import argsort_keys, gather_clamped, lane_count, step_cap
 from ._bits import bitmasks, set_bit_count, WORD
 from ._custom_types import Array, Bool, Float, Int, PyTree, UInt
+from ._floats import binary_exponent, power_of_two
 from ._metric import Block, Minkowski, Query, wrap_into_box
 
 
@@ -181,10 +183,25 @@ def _ranks(emits: Bool[Array, "*groups size"]) -> Int[Array, "*groups size"]:
         return (jnp.cumsum(flat, dtype=jnp.int32) - flat).reshape(emits.shape)
     groups = bitmasks(emits.reshape(-1, size))[:, 0]
     counts = set_bit_count(groups)
-    before = jnp.cumsum(counts) - counts
-    below = (jnp.uint32(1) << jnp.arange(size, dtype=jnp.uint32)) - 1
+    before = _counts_before(counts)
+    # Constants (NumPy), not iotas: XLA:CPU would compile each iota into a kernel.
+    below = (np.uint32(1) << np.arange(size, dtype=np.uint32)) - np.uint32(1)
     within = set_bit_count(groups[:, None] & below)
     return (before[:, None] + within).reshape(emits.shape)
+
+
+def _counts_before(counts: Int[Array, " m"]) -> Int[Array, " m"]:
+    """The exclusive prefix sum of `counts`. Of a few counts, as one masked sum: a
+    prefix sum (a `reduce_window`) is several kernels on XLA:CPU, which the compile
+    pays for."""
+    m = counts.shape[0]
+    if m > _MASKED_PREFIX_MAX:
+        return jnp.cumsum(counts) - counts
+    earlier = np.arange(m)[None, :] < np.arange(m)[:, None]  # a constant
+    return jnp.sum(jnp.where(earlier, counts[None, :], 0), axis=1, dtype=counts.dtype)
+
+
+_MASKED_PREFIX_MAX = 64
 
 
 def far_limit(dtype, d: int, metric: Minkowski) -> float:
@@ -445,13 +462,16 @@ def walk(tree, x: Query, visitor: AbstractVisitor, metric: Minkowski) -> _State:
 def morton_codes(
     x: Float[Array, "q d"], lo: Float[Array, " d"], hi: Float[Array, " d"]
 ) -> UInt[Array, " q"]:
-    """Z-order codes of the queries, quantised within the box `[lo, hi]` (queries
-    outside it share the cells on its faces)."""
+    """Z-order codes of the queries, quantised within `[lo, lo + w)` on each axis,
+    for `w` the least power of two above `hi - lo` (queries outside it share the
+    cells on its faces)."""
     dims = min(x.shape[1], 30)
     bits = 30 // dims
     lo, hi = lo[:dims], hi[:dims]
-    extent = hi - lo
-    unit = jnp.clip((x[:, :dims] - lo) / jnp.where(extent > 0, extent, 1), 0, 1)
+    # Scaled by a power of two, read off the bits: a division would be a kernel of
+    # its own on XLA:CPU (its reciprocal, hoisted).
+    per_extent = power_of_two(-1 - binary_exponent(hi - lo), x.dtype)
+    unit = jnp.clip((x[:, :dims] - lo) * per_extent, 0, 1)
     cells = (unit * (2**bits - 1)).astype(jnp.uint32)
     # Bit `b` of dimension `j` goes to bit `b * dims + j` of the code; the bits are
     # disjoint, so summing them sets them.
@@ -647,9 +667,9 @@ def walk_many(
         # walk after the last was dealt. (Lanes dealt every `lanes`-th query ahead of
         # time waited for the lane with the longest total: uniform k = 8 queries took
         # 0.184 s against 0.157 s, on clustered data 0.672 s against 0.551 s.)
-        dealt = jnp.cumsum(finished, dtype=index_dtype)
-        position = jnp.where(finished, next_free + dealt - 1, position)
-        next_free = next_free + dealt[-1]
+        before, dealt = _lane_ranks(finished)
+        position = jnp.where(finished, next_free + before.astype(index_dtype), position)
+        next_free = next_free + dealt.astype(index_dtype)
         cursor, pending, state = take_next(position, finished, cursor, pending, state)
         return position, next_free, cursor, pending, state, out, sink
 
@@ -671,6 +691,16 @@ def walk_many(
         lambda c: jnp.min(c[0]) < walked, step, carry
     )
     return answers, sink
+
+
+def _lane_ranks(
+    flags: Bool[Array, " lanes"],
+) -> tuple[Int[Array, " lanes"], Int[Array, ""]]:
+    """For each flag, how many flags are set before it; and how many are set."""
+    lanes = flags.shape[0]
+    padded = jnp.pad(flags, (0, -lanes % WORD))
+    ranks = _ranks(padded.reshape(-1, WORD)).reshape(-1)
+    return ranks[:lanes], ranks[-1] + padded[-1]
 
 
 def _along(vector: Array, array: Array) -> Array:

@@ -301,7 +301,8 @@ def test_morton_codes_interleave_the_quantised_coordinates(d):
     x = rng.uniform(-2, 4, (100, d)).astype(np.float32)  # some outside the box
     dims = min(d, 30)
     bits = 30 // dims
-    unit = np.clip((x[:, :dims] - lo[:dims]) / (hi - lo)[:dims], 0, 1)
+    width = 2.0 ** (np.floor(np.log2(hi - lo)) + 1)  # above the extent, 4: 8
+    unit = np.clip((x[:, :dims] - lo[:dims]) / width[:dims], 0, 1)
     cells = (unit * (2**bits - 1)).astype(np.uint32)
     codes = morton_codes(jnp.asarray(x), jnp.asarray(lo), jnp.asarray(hi))
     np.testing.assert_array_equal(
