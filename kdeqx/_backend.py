@@ -245,6 +245,57 @@ def unpack_pairs(keys: tuple[Array, ...], d2_dtype, index_dtype) -> tuple[Array,
     )
 
 
+def pair_halves(d2: Array, indices: Array) -> UInt[Array, "*shape 2"]:
+    """Pairs that pack (`packs_pairs`) as the two uint32 halves of their packed keys,
+    along a new last axis: the distance's bits, then `index + 1`. They need no x64."""
+    high = lax.bitcast_convert_type(d2, jnp.uint32)
+    low = lax.add(lax.bitcast_convert_type(indices, jnp.uint32), jnp.uint32(1))
+    return jnp.stack([high, low], axis=-1)
+
+
+def pairs_of_halves(
+    halves: UInt[Array, "*shape 2"], d2_dtype, index_dtype
+) -> tuple[Array, Array]:
+    """`pair_halves`, undone."""
+    high, low = halves[..., 0], halves[..., 1]
+    return (
+        lax.bitcast_convert_type(high, d2_dtype),
+        lax.bitcast_convert_type(lax.sub(low, jnp.uint32(1)), index_dtype),
+    )
+
+
+def precedes_halves(d2: Array, index: Array, halves: UInt[Array, "*shape 2"]):
+    """Whether the pair `(d2, index)` (`d2 >= 0`, or -0) comes before the pair whose
+    `pair_halves` are `halves`, compared in the halves themselves: a loop that reads
+    the halves then only slices them, which XLA:CPU keeps in the loop's kernel (it
+    hoists a conversion of loop-invariant halves into kernels of their own)."""
+    # The sign bit cleared: -0 as +0.
+    high = lax.bitwise_and(
+        lax.bitcast_convert_type(d2, jnp.uint32), jnp.uint32(0x7FFFFFFF)
+    )
+    low = lax.add(lax.bitcast_convert_type(index, jnp.uint32), jnp.uint32(1))
+    other_high, other_low = halves[..., 0], halves[..., 1]
+    return (high < other_high) | ((high == other_high) & (low < other_low))
+
+
+def keys_of_halves(halves: UInt[Array, "m 2"]) -> UInt[Array, " m"]:
+    """`pair_halves` of `m` pairs as their packed keys, inside `pair_keys_context`."""
+    high, low = (
+        lax.convert_element_type(lax.index_in_dim(halves, i, 1, False), jnp.uint64)
+        for i in (0, 1)
+    )
+    return lax.bitwise_or(lax.shift_left(high, jnp.uint64(32)), low)
+
+
+def halves_of_keys(keys: UInt[Array, " m"]) -> UInt[Array, "m 2"]:
+    """`keys_of_halves`, undone (inside `pair_keys_context`)."""
+    high = lax.convert_element_type(
+        lax.shift_right_logical(keys, jnp.uint64(32)), jnp.uint32
+    )
+    low = lax.convert_element_type(keys, jnp.uint32)
+    return lax.concatenate([lax.expand_dims(high, (1,)), lax.expand_dims(low, (1,))], 1)
+
+
 def largest_pairs(keys: tuple[Array, ...], size: int) -> tuple[Array, ...]:
     """`size` keys that sort after every pair."""
     if len(keys) == 1:

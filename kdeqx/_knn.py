@@ -5,9 +5,15 @@ from typing import TYPE_CHECKING
 import equinox as eqx
 import jax.numpy as jnp
 
-from ._backend import lexicographic_less
-from ._custom_types import Array, Bool, Float, Int, Neighbours, Queries, Threshold
-from ._merge import leaves_per_merge, merge_k_best
+from ._custom_types import Array, Bool, Float, Neighbours, Queries, Threshold
+from ._merge import (
+    Best,
+    best_of_pairs,
+    leaves_per_merge,
+    merge_into_best,
+    pairs_of_best,
+    precedes_last,
+)
 from ._mesh import split_like_queries, split_over_cpu_devices
 from ._metric import Minkowski
 from ._search import found_distances, search
@@ -18,11 +24,9 @@ if TYPE_CHECKING:
     from ._tree import KDTree
 
 
-_KnnState = tuple[Float[Array, " k"], Int[Array, " k"]]
-
-
 class _KNearest(AbstractVisitor):
-    """Keeps the k best `(d2, index)` pairs, sorted lexicographically.
+    """Keeps the k best `(d2, index)` pairs, sorted lexicographically, as a `Best`
+    list (`kdeqx._merge.best_of_pairs`).
 
     Empty entries are `(bound2, -1)`: index -1 sorts before any real index of equal
     distance, so a point exactly at the upper bound never enters (scipy's `d < bound`).
@@ -32,22 +36,20 @@ class _KNearest(AbstractVisitor):
     bound2: Float[Array, ""]
     index_dtype: jnp.dtype = eqx.field(static=True)
 
-    def init(self) -> _KnnState:
-        return (
+    def init(self) -> Best:
+        return best_of_pairs(
             jnp.full((self.k,), self.bound2),
             jnp.full((self.k,), -1, self.index_dtype),
         )
 
     def should_visit(self, state, box_d2, min_index) -> Bool[Array, ""]:
-        d2, indices = state
-        return lexicographic_less(box_d2, min_index, d2[-1], indices[-1])
+        return precedes_last(box_d2, min_index, state)
 
     def leaves_per_visit(self, leaf_size: int) -> int:
         return leaves_per_merge(self.k, leaf_size)
 
-    def visit_leaf(self, state, d2, indices) -> _KnnState:
-        best_d2, best_indices = state
-        return merge_k_best(best_d2, best_indices, d2, indices)
+    def visit_leaf(self, state, d2, indices) -> Best:
+        return merge_into_best(state, d2, indices)
 
 
 # Up to this k a query walks the default leaves' halves, leaves of 16 (2 CPU devices,
@@ -71,7 +73,7 @@ def knn(
     states, far = search(
         tree, x, bound, lambda b2: _KNearest(k, b2, index_dtype), metric
     )
-    d2, indices = states
+    d2, indices = pairs_of_best(states, tree.leaf_points.dtype, index_dtype)
     missing = (indices < 0) | far.beyond(far.distance < bound)[..., None]
     indices = jnp.where(missing, tree.n, indices)
     return found_distances(tree, x, indices, d2, far, metric), indices

@@ -67,8 +67,8 @@ def far_queries(
     # Axis by axis: reductions over the short last axis made this check about a
     # seventh of a kNN query's compile.
     gaps = [
-        jnp.maximum(jnp.maximum(lo[j] - x[..., j], x[..., j] - hi[j]), 0)
-        for j in range(x.shape[-1])
+        jnp.maximum(jnp.maximum(lo[j] - x_j, x_j - hi[j]), 0)
+        for j, x_j in enumerate(x[..., j] for j in range(x.shape[-1]))
     ]
     largest = ft.reduce(jnp.maximum, gaps)
     # Every clamped query is this far (the tree lies within 1 of the origin), and from

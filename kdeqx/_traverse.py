@@ -33,7 +33,7 @@ from ._backend import argsort_keys, gather_clamped, lane_count, step_cap
 from ._bits import bitmasks, set_bit_count, WORD
 from ._custom_types import Array, Bool, Float, Int, PyTree, UInt
 from ._floats import binary_exponent, power_of_two
-from ._metric import Block, Minkowski, Query, wrap_into_box
+from ._metric import Block, Minkowski, Query, query_axes, wrap_into_box
 
 
 if TYPE_CHECKING:
@@ -272,21 +272,23 @@ class _Steps(eqx.Module):
     def nearer_first(self, x, left, right):
         """`(near, far, near_d2, far_d2)` of two nodes by powered box distance;
         `left` is near when the two tie."""
-        d2_left, d2_right = self.box_distance(x, left), self.box_distance(x, right)
+        x_axes, boxes = query_axes(x), self.box_axes
+        d2_left, d2_right = (self.box_distance(x_axes, boxes, n) for n in (left, right))
         left_is_near = d2_left <= d2_right
         near = jnp.where(left_is_near, left, right)
         far = jnp.where(left_is_near, right, left)
         return near, far, jnp.minimum(d2_left, d2_right), jnp.maximum(d2_left, d2_right)
 
-    def box_distance(self, x, node):
-        """A lower bound on the powered distance from `x` to the points of `node`."""
-        tree = self.tree
-        return self.metric.box_lower_bound(
-            x,
-            [gather_clamped(lo, node) for lo in tree.node_lo],
-            [gather_clamped(hi, node) for hi in tree.node_hi],
-            self.period,
-        )
+    @property
+    def box_axes(self) -> tuple[list, list]:
+        """The nodes' boxes' lower and upper bounds, axis by axis."""
+        return list(self.tree.node_lo), list(self.tree.node_hi)
+
+    def box_distance(self, x_axes, box_axes, node):
+        """A lower bound on the powered distance from a query (`query_axes`) to the
+        points of `node` (boxes as `box_axes`)."""
+        lo, hi = ([gather_clamped(a, node) for a in axes] for axes in box_axes)
+        return self.metric.box_lower_bound(x_axes, lo, hi, self.period)
 
     @property
     def depth(self) -> int:
@@ -318,14 +320,13 @@ class _Steps(eqx.Module):
         return visitor.should_visit(state, box_d2, gather_clamped(self.node_keys, node))
 
     def descend(self, x) -> Int[Array, ""]:
-        """A walk's first leaf, by near children from the root, as a cursor; every
-        far child passed on the way is pending (`first_pending`: they are tested as
-        the walk enters them). The walk from the root would stop on the way only
-        where the visitor prunes, and visiting a leaf it would prune changes no
-        state."""
+        """A walk's first leaf, by near children from the root (its cursor is
+        `leaf << 2`); every far child passed on the way is pending (`first_pending`:
+        they are tested as the walk enters them). The walk from the root would stop
+        on the way only where the visitor prunes, and visiting a leaf it would prune
+        changes no state."""
         zero = jnp.zeros((), self.tree.leaf_indices.dtype)
-        leaf = lax.fori_loop(0, self.depth, lambda _, n: self.children(x, n)[0], zero)
-        return leaf << 2
+        return lax.fori_loop(0, self.depth, lambda _, n: self.children(x, n)[0], zero)
 
     @property
     def first_pending(self) -> Int[Array, ""]:
@@ -581,13 +582,14 @@ def walk_many(
     if visitor_axis is not None:
         visitors = _rows(visitors, order)
     # Every walk starts at its nearest leaf, found for all queries at once.
-    first_cursor = jax.vmap(steps.descend)(points)
+    # (Shifted into cursors where read: a kernel less than shifting them all here.)
+    first_leaf = jax.vmap(steps.descend)(points)
 
     def take_next(position, finished, cursor, pending, state):
         """Lanes that finished start their next query, at `position` along the curve,
         or go idle when they have none left."""
         fresh_cursor = jnp.where(
-            position < walked, gather_clamped(first_cursor, position), _IDLE << 2
+            position < walked, gather_clamped(first_leaf, position) << 2, _IDLE << 2
         )
         cursor = jnp.where(finished, fresh_cursor, cursor)
         pending = jnp.where(finished, steps.first_pending, pending)
@@ -681,7 +683,7 @@ def walk_many(
     carry = (
         lane,
         jnp.asarray(lanes, index_dtype),
-        jnp.where(lane < walked, first_cursor[:lanes], _IDLE << 2),
+        jnp.where(lane < walked, first_leaf[:lanes] << 2, _IDLE << 2),
         jnp.full(lanes, steps.first_pending),
         init(lane),
         answers,
