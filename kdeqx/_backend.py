@@ -548,11 +548,24 @@ def move_rows_reference(orders, destination):
 def gather_clamped(array: Array, index: Int[Array, "..."]) -> Array:
     """`array[index]` along the first axis, with the index clamped into range.
 
-    Traces to one gather, where `array[index]` adds the wrapping of negative indices
-    (a smaller program, so a faster compile); lanes compute moves they then discard,
-    so an index may lie outside the array.
+    Traces to one gather (and the index's reshape), where `array[index]` adds the
+    wrapping of negative indices and `.at[index].get` a reshape of the result (a
+    smaller program, so a faster compile); lanes compute moves they then discard, so
+    an index may lie outside the array.
     """
-    return array.at[index].get(mode="clip", wrap_negative_indices=False)
+    batch = index.ndim
+    dimensions = lax.GatherDimensionNumbers(
+        offset_dims=tuple(range(batch, batch + array.ndim - 1)),
+        collapsed_slice_dims=(0,),
+        start_index_map=(0,),
+    )
+    return lax.gather(
+        array,
+        lax.expand_dims(index, (batch,)),
+        dimensions,
+        (1, *array.shape[1:]),
+        mode=lax.GatherScatterMode.CLIP,
+    )
 
 
 def gather_clamped_reference(array: Array, index: Int[Array, "..."]) -> Array:
