@@ -8,10 +8,14 @@ import pytest
 
 from kdeqx import _backend
 from kdeqx._merge import (
+    best_of_pairs,
     merge_by_networks,
     merge_by_ranks,
     merge_by_reduction,
+    merge_into_best,
     merge_k_best,
+    pairs_of_best,
+    precedes_last,
     SMALL_K,
 )
 from kdeqx._traverse import morton_codes
@@ -252,8 +256,21 @@ def test_kernels_are_split_over_cores_only_when_devices_are_fewer(monkeypatch):
     assert _backend.device_per_core_options(2) == {}
 
 
+def merge_as_walks_keep_lists(best_d2, best_indices, d2, indices):
+    """`merge_into_best` on the walk's lists (packed halves for float32), as pairs."""
+    best = merge_into_best(best_of_pairs(best_d2, best_indices), d2, indices)
+    return pairs_of_best(best, best_d2.dtype, best_indices.dtype)
+
+
 @pytest.mark.parametrize(
-    "merge", [merge_k_best, merge_by_reduction, merge_by_ranks, merge_by_networks]
+    "merge",
+    [
+        merge_k_best,
+        merge_by_reduction,
+        merge_by_ranks,
+        merge_by_networks,
+        merge_as_walks_keep_lists,
+    ],
 )
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [1, 4, 9, 33, 100])
@@ -281,6 +298,25 @@ def test_merges_keep_the_k_smallest_pairs(merge, dtype, k, leaf):
         expected = sorted(best + list(zip(d2, indices)))[:k]
         np.testing.assert_array_equal(merged[0], [e[0] for e in expected])
         np.testing.assert_array_equal(merged[1], [e[1] for e in expected])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_best_lists_prune_as_pairs_compare(dtype):
+    # The walk prunes a subtree unless (its box distance, its key) comes before the
+    # last of the k best, with ties broken by index; -0 counts as 0.
+    rng = np.random.default_rng(3)
+    last = [(dtype(0), -1), (dtype(0), 5), (dtype(2), 7), (dtype(2), -1)]
+    for last_d2, last_index in last:
+        best_d2 = jnp.asarray([0, last_d2], dtype)
+        best = best_of_pairs(best_d2, jnp.asarray([0, last_index], jnp.int32))
+        assert len(best) == (1 if dtype == np.float32 else 2)
+        d2 = np.concatenate([[-0.0, 0.0], rng.integers(0, 4, 30)]).astype(dtype)
+        index = rng.integers(-1, 10, d2.shape[0]).astype(np.int32)
+        ours = jax.jit(jax.vmap(precedes_last, (0, 0, None)))(
+            jnp.asarray(d2), jnp.asarray(index), best
+        )
+        expected = [(a, i) < (last_d2, last_index) for a, i in zip(d2, index)]
+        np.testing.assert_array_equal(ours, expected)
 
 
 def _interleave(cells: np.ndarray, bits: int) -> np.ndarray:
