@@ -166,10 +166,13 @@ def merge_by_ranks(best_d2, best_indices, d2, indices):
 
 def merge_by_reduction(best_d2, best_indices, d2, indices):
     """The k best by `_smallest_by_reduction`, on packed keys where pairs pack."""
+    return _merged_pairs(_smallest_by_reduction, best_d2, best_indices, d2, indices)
+
+
+def _merged_pairs(smallest, best_d2, best_indices, d2, indices):
+    """A merge of keys (`smallest(best, leaf)`) applied to pairs."""
     with pair_keys_context(d2.dtype, indices.dtype):
-        keys = _smallest_by_reduction(
-            pack_pairs(best_d2, best_indices), pack_pairs(d2, indices)
-        )
+        keys = smallest(pack_pairs(best_d2, best_indices), pack_pairs(d2, indices))
         return unpack_pairs(keys, best_d2.dtype, best_indices.dtype)
 
 
@@ -258,11 +261,7 @@ def _smallest_of_sorted(a: list[_Keys], b: list[_Keys]) -> list[_Keys]:
 
 def merge_by_networks(best_d2, best_indices, d2, indices):
     """The k best by `_smallest_by_networks`, on packed keys where pairs pack."""
-    with pair_keys_context(d2.dtype, indices.dtype):
-        keys = _smallest_by_networks(
-            pack_pairs(best_d2, best_indices), pack_pairs(d2, indices)
-        )
-        return unpack_pairs(keys, best_d2.dtype, best_indices.dtype)
+    return _merged_pairs(_smallest_by_networks, best_d2, best_indices, d2, indices)
 
 
 def _smallest_by_networks(best: _Keys, leaf: _Keys) -> _Keys:

@@ -25,6 +25,7 @@ from ._metric import (
     minimum_image,
     Minkowski,
     norm_without_overflow,
+    query_axes,
     wrap_into_box,
 )
 from ._traverse import AbstractVisitor, far_limit, walk_many
@@ -66,9 +67,10 @@ def far_queries(
     )
     # Axis by axis: reductions over the short last axis made this check about a
     # seventh of a kNN query's compile.
+    x_axes, _ = query_axes(x)
     gaps = [
         jnp.maximum(jnp.maximum(lo[j] - x_j, x_j - hi[j]), 0)
-        for j, x_j in enumerate(x[..., j] for j in range(x.shape[-1]))
+        for j, x_j in enumerate(x_axes)
     ]
     largest = ft.reduce(jnp.maximum, gaps)
     # Every clamped query is this far (the tree lies within 1 of the origin), and from
@@ -76,14 +78,14 @@ def far_queries(
     far = largest * scale >= far_limit(x.dtype, x.shape[-1], metric) / 2
     # The gaps in units of a power of two near the largest (exact scalings), whose
     # powers neither overflow nor underflow.
-    exponent = binary_exponent(largest)
-    in_units = [g * power_of_two(-exponent, g.dtype) for g in gaps]
-    powered = jnp.where(far, metric.powered_of_axes(in_units), jnp.nan)
+    per_unit = power_of_two(-binary_exponent(largest), largest.dtype)
+    powered = metric.powered_of_axes([g * per_unit for g in gaps])
+    powered = jnp.where(far, powered, jnp.nan)
     # One array, NaN where not far, whose last step is a division (exact, by a power
     # of two): XLA:CPU computes it once, where it computed every cheaper last step
     # again, with the whole check, in each kernel that reads it (the two that end a
     # kNN query had ~125 operations each, now ~30).
-    distance = metric.from_power(powered) / power_of_two(-exponent, largest.dtype)
+    distance = metric.from_power(powered) / per_unit
     return FarQueries(far=~jnp.isnan(distance), distance=distance)
 
 
