@@ -214,8 +214,9 @@ class Minkowski(eqx.Module):
 
 def query_axes(x: Float[Array, "*batch d"] | Block) -> tuple[list, list]:
     """A query's lowest and highest coordinates, axis by axis (a point's are the
-    same; queries batched along leading axes give them batched). Split once for all the boxes a step measures: each split is a slice of its
-    own in the program, which the compile pays for."""
+    same; queries batched along leading axes give them batched). Split once for all
+    the boxes a step measures: each split is a slice of its own in the program, which
+    the compile pays for."""
     if isinstance(x, Block):
         return _axes(x.lo), _axes(x.hi)
     axes = _axes(x)
