@@ -19,8 +19,7 @@ against `cKDTree.query(workers=1)` plus numpy weights. Then `count_ball_point` a
 first-call (trace + compile) overhead, ratios to scipy and the largest difference
 between the two results. Absolute times mean little on a shared CPU; the ratios,
 measured side by side in the same process, are the result. `--cpu-devices N` gives
-JAX N CPU devices, over which kdeqx splits the queries (and, for the local fits, solves
-without LAPACK: see `kdeqx/_dense.py`).
+JAX N CPU devices, over which kdeqx splits the queries.
 """
 
 import argparse

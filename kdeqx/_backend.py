@@ -76,9 +76,8 @@ def _power_of_two_at_most(m: int) -> int:
 
 
 # Local fits: how many queries' small dense systems are solved at once. On XLA:CPU
-# 2,048, so that no program holds two LAPACK batches of more than ~2,000 systems (they
-# can deadlock: `_dense.py`); elsewhere as many as fit this much memory, and at least
-# as many. On an H200 (n = 1e6, Q = 1e5, k = 32, `kernel="rbf"`), chunks of 2,048,
+# 2,048, which bounds the temporaries; elsewhere as many as fit this much memory, and
+# at least as many. On an H200 (n = 1e6, Q = 1e5, k = 32, `kernel="rbf"`), chunks of 2,048,
 # 16,384 and 131,072 queries took 0.058, 0.052 and 0.047 s.
 CPU_FIT_CHUNK = 2048
 _ACCELERATOR_FIT_BYTES = 2**30

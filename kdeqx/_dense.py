@@ -1,18 +1,14 @@
 """Small dense symmetric systems, batched over leading axes: one per query of a local
 interpolation, solved exactly when they are regular and regularised when not.
 
-Measured on XLA:CPU, LAPACK's batched LU (`jnp.linalg.solve`) is the fastest for
-systems of 30-40 unknowns (9 us each at 36 unknowns in float32), and elimination
-written as array operations the next (15 us).
-
-LAPACK's kernels on XLA:CPU run in scipy's OpenBLAS, which can deadlock when two of
-them run at once in one process (seen with jax 0.10.2, OpenBLAS 0.3.30, 2 cores; not
-with `OPENBLAS_NUM_THREADS=1`). XLA runs them at once in two cases: independent
-batched solves of more than about 2,000 systems each in one program, which
-`_local._map_in_chunks` never makes, and a program split over several CPU devices,
-each solving its share. So where the CPU has several devices, the systems are solved
-by Gaussian elimination written as array operations (`_eliminate_solve`), with
-LAPACK's pivots.
+On the CPU the systems are solved by Gaussian elimination written as array operations
+(`_eliminate_solve`, with LAPACK's pivots), never by jaxlib's LAPACK kernels. Those
+kernels split a batch over XLA's intra-op thread pool and block their own pool thread
+until the pieces are done; when as many of them as the pool has threads run at once
+(two independent batched solves of one program, such as a fit and its gradient, or a
+program split over several CPU devices), every thread waits on work that no thread is
+left to run, and the program hangs. No batch size, thread setting or transform makes
+elimination wait on anything. Elsewhere (GPU, TPU) the LU factorisation is XLA's own.
 """
 
 import jax
@@ -93,13 +89,15 @@ def _eliminate_solve(
     return solution, singular | ~jnp.all(jnp.isfinite(solution))
 
 
-def lapack_may_deadlock() -> bool:
-    """Whether XLA may run LAPACK kernels at once: on a CPU with several devices."""
-    return jax.default_backend() == "cpu" and jax.device_count() > 1
+def solves_by_elimination() -> bool:
+    """Whether systems are solved by `_eliminate_solve` rather than an LU
+    factorisation: on the CPU, where the factorisation is jaxlib's LAPACK kernel,
+    which can deadlock (see the module's docstring)."""
+    return jax.default_backend() == "cpu"
 
 
 def _solve(matrix, rhs):
-    if not lapack_may_deadlock():
+    if not solves_by_elimination():
         return _lu_solve(matrix, rhs)
     solve = _eliminate_solve
     for _ in range(matrix.ndim - 2):

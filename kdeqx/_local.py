@@ -134,8 +134,7 @@ def _map_in_chunks(fn, arrays):
     system: it bounds the temporaries of a local RBF).
 
     The queries are padded (with copies of the first) to whole chunks rather than
-    leaving a remainder: a remainder is a second, independent batch of LAPACK solves,
-    and two of those in one program can deadlock on XLA:CPU (see `_dense.py`).
+    leaving a remainder, so that the fit is compiled once, as the loop's body.
     """
     offsets, _, columns = arrays
     q, k = offsets.shape[:2]
