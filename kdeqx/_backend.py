@@ -77,8 +77,7 @@ def _power_of_two_at_most(m: int) -> int:
 
 # Local fits: how many queries' small dense systems are solved at once. On XLA:CPU
 # 2,048, which bounds the temporaries; elsewhere as many as fit this much memory, and
-# at least as many. On an H200 (n = 1e6, Q = 1e5, k = 32, `kernel="rbf"`), chunks of 2,048,
-# 16,384 and 131,072 queries took 0.058, 0.052 and 0.047 s.
+# at least as many (larger chunks were faster on a GPU: `benchmarks/gpu.py`).
 CPU_FIT_CHUNK = 2048
 _ACCELERATOR_FIT_BYTES = 2**30
 
