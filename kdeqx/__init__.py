@@ -9,6 +9,7 @@ from ._convert import (
     pair_set as pair_set,
     to_scipy_sparse as to_scipy_sparse,
 )
+from ._frozen import Frozen as Frozen
 from ._graph import (
     knn_graph as knn_graph,
     NeighborGraph as NeighborGraph,

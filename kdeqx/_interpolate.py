@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ._custom_types import Array, ArrayLike, Bool, Float
+from ._frozen import Frozen
 from ._local import AbstractLocalFit
 from ._mls import MovingLeastSquares
 from ._rbf import check_rbf, LocalRbf, needs_epsilon, Radial
@@ -137,23 +138,25 @@ class Interpolator(eqx.Module):
     """A field interpolated from values at the points of a tree: a trainable layer.
 
     `values` is an ordinary array leaf, so `eqx.filter_grad` and optax train it like
-    any weight, as are the kernel's continuous parameters (`length_scale`,
-    `epsilon`, `smoothing`) when given. The tree's float arrays are search
-    structures: moving them would not rebuild the tree. Select the trainable part
-    explicitly, for example
+    any weight, as are the kernel's continuous parameters when given: `length_scale`
+    and `epsilon` in log space (as `log_length_scale`, `log_epsilon`), so that they
+    stay positive, and `smoothing`, used as `max(smoothing, 0)`. The tree is a search
+    structure that moving its points would not rebuild, so it is held
+    [`kdeqx.Frozen`][]: its arrays are not inexact arrays, and the usual filter
+    trains exactly the rest,
 
     ```python
-    trainable = eqx.tree_at(
-        lambda m: m.values, jax.tree.map(lambda _: False, model), replace=True
-    )
-    params, static = eqx.partition(model, trainable)
+    params, static = eqx.partition(model, eqx.is_inexact_array)
     ```
+
+    `model.tree` gives the tree back. For gradients with respect to the points, call
+    `tree.interpolate` on a tree built from them.
     """
 
-    tree: "AbstractKDTree"
+    frozen_tree: Frozen["AbstractKDTree"]
     values: Float[Array, "n ..."]
-    length_scale: Float[Array, ""] | None
-    epsilon: Float[Array, ""] | None
+    log_length_scale: Float[Array, ""] | None
+    log_epsilon: Float[Array, ""] | None
     smoothing: Float[Array, ""] | Float[Array, " n"]
     k: int = eqx.field(static=True)
     kernel: Kernel = eqx.field(static=True)
@@ -205,15 +208,28 @@ class Interpolator(eqx.Module):
             exact=exact,
         )
         self.p = metric.p
-        self.tree = tree
-        self.length_scale = _optional_leaf(length_scale, dtype)
-        self.epsilon = _optional_leaf(epsilon, dtype)
+        self.frozen_tree = Frozen(tree)
+        self.log_length_scale = _optional_log(length_scale, dtype)
+        self.log_epsilon = _optional_log(epsilon, dtype)
         self.smoothing = jnp.asarray(smoothing, dtype)
         self.kernel = kernel
         self.power = float(power)
         self.rbf = rbf
         self.degree = degree
         self.exact = bool(exact)
+
+    @property
+    def tree(self) -> "AbstractKDTree":
+        """The tree the field is interpolated on."""
+        return self.frozen_tree.thaw()
+
+    @property
+    def length_scale(self) -> Float[Array, ""] | None:
+        return _optional_exp(self.log_length_scale)
+
+    @property
+    def epsilon(self) -> Float[Array, ""] | None:
+        return _optional_exp(self.log_epsilon)
 
     def __call__(self, x: ArrayLike) -> Float[Array, "..."]:
         """Interpolates at `x` of shape `(..., d)`; returns `(..., *feature)`."""
@@ -228,10 +244,15 @@ class Interpolator(eqx.Module):
             rbf=self.rbf,
             epsilon=self.epsilon,
             degree=self.degree,
-            smoothing=self.smoothing,
+            smoothing=jnp.maximum(self.smoothing, 0),
             exact=self.exact,
         )
 
 
-def _optional_leaf(value, dtype) -> Float[Array, ""] | None:
-    return None if value is None else jnp.asarray(value, dtype)
+def _optional_log(value, dtype) -> Float[Array, ""] | None:
+    # Positive already: `tree._interpolation_kernel` checked it.
+    return None if value is None else jnp.log(jnp.asarray(value, dtype))
+
+
+def _optional_exp(value) -> Float[Array, ""] | None:
+    return None if value is None else jnp.exp(value)

@@ -481,7 +481,7 @@ def test_interpolator_trains_local_kernels_and_maps():
         return jnp.mean((model(x) - 1.0) ** 2)
 
     grads = eqx.filter_grad(loss)(model, x)
-    for grad in (grads.values, grads.epsilon, grads.smoothing):
+    for grad in (grads.values, grads.log_epsilon, grads.smoothing):
         assert np.all(np.isfinite(grad)) and np.any(grad != 0)
     batched = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))(model, x.reshape(5, 5, 2))
     np.testing.assert_allclose(batched.reshape(-1), eqx.filter_jit(model)(x), rtol=1e-6)
