@@ -171,7 +171,7 @@ def cpu_devices_for(tree, x) -> list:
     without `split_queries` (a `ShardedKDTree`) splits its own way."""
     if not getattr(tree, "split_queries", False) or jax.default_backend() != "cpu":
         return []
-    devices = jax.devices()
+    devices = jax.local_devices()
     q = math.prod(x.shape[:-1])
     if len(devices) < 2 or q < _MIN_QUERIES_PER_DEVICE * len(devices):
         return []
@@ -203,7 +203,7 @@ def shared_with_cpu_devices(arrays):
     any placement would copy instead (JAX aliases aligned buffers only), nothing is
     placed: copies of a large tree would cost memory and gain nothing.
     """
-    devices = jax.devices()
+    devices = jax.local_devices()
     flat, structure = jax.tree.flatten(arrays)
     leaves = [a for a in flat if isinstance(a, jax.Array)]
     if (
