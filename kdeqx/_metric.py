@@ -171,6 +171,17 @@ class Minkowski(eqx.Module):
         one_plus = 1 + self.eps.astype(dtype)
         return one_plus if self.is_max else one_plus**self.p
 
+    def accepts_within(self, r2: Float[Array, "*shape"]) -> Float[Array, "*shape"]:
+        """The powered distance up to which a radius search with threshold `r2`
+        accepts a point it meets: `r2` when exact; with `eps`, as scipy's,
+        `(1 + eps)**p` times more. Subtrees beyond `r / (1 + eps)` are skipped, so
+        every point within `r / (1 + eps)` is found and none beyond `r (1 + eps)`."""
+        factor = self.prunes_by(r2.dtype)
+        if factor is None:
+            return r2
+        accepted = jnp.where(r2 > 0, r2 * factor, r2)
+        return jnp.minimum(accepted, jnp.finfo(r2.dtype).max)
+
     def box_lower_bound(self, x_axes: tuple[list, list], lo: list, hi: list, period):
         """A lower bound on the powered distance from a query (a point, or any point
         of a block; given axis by axis as `query_axes` gives it) to any point in the

@@ -20,9 +20,10 @@ if TYPE_CHECKING:
 
 
 class _BallCount(AbstractVisitor):
-    """Counts the points with `d2 <= r2`."""
+    """Counts the points with `d2 <= accept2` in the subtrees within `r2`."""
 
     r2: Float[Array, ""]
+    accept2: Float[Array, ""]
     count_dtype: jnp.dtype = eqx.field(static=True)
 
     def init(self) -> Int[Array, ""]:
@@ -32,26 +33,28 @@ class _BallCount(AbstractVisitor):
         return box_d2 <= self.r2
 
     def visit_leaf(self, state, d2, indices) -> Int[Array, ""]:
-        return state + jnp.sum(d2 <= self.r2, dtype=self.count_dtype)
+        return state + jnp.sum(d2 <= self.accept2, dtype=self.count_dtype)
 
 
 class _BallCollect(AbstractVisitor):
-    """Counts the points with `d2 <= r2` and keeps `k` of them: the nearest, merged as
-    the walk goes (`nearest=True`), or the first found, unordered, in `O(leaf)` work
-    per leaf whatever `k`.
+    """Counts the points with `d2 <= accept2` in the subtrees within `r2` and keeps
+    `k` of them: the nearest, merged as the walk goes (`nearest=True`), or the first
+    found, unordered, in `O(leaf)` work per leaf whatever `k`.
 
-    Empty entries are `(r2, max index)`, so a point exactly at distance `r` (a tie
-    with the empty entry at a lower index) does enter: the ball is closed.
+    Empty entries are `(accept2, max index)`, so a point exactly at the accepted
+    distance (a tie with the empty entry at a lower index) does enter: the ball is
+    closed.
     """
 
     k: int = eqx.field(static=True)
     r2: Float[Array, ""]
+    accept2: Float[Array, ""]
     index_dtype: jnp.dtype = eqx.field(static=True)
     nearest: bool = eqx.field(static=True)
 
     def init(self):
         return (
-            jnp.full((self.k,), self.r2),
+            jnp.full((self.k,), self.accept2),
             jnp.full((self.k,), jnp.iinfo(self.index_dtype).max, self.index_dtype),
             jnp.zeros((), self.index_dtype),
         )
@@ -65,7 +68,7 @@ class _BallCollect(AbstractVisitor):
 
     def visit_leaf(self, state, d2, indices):
         kept_d2, kept_indices, count = state
-        inside = d2 <= self.r2
+        inside = d2 <= self.accept2
         if self.nearest:
             kept_d2, kept_indices = merge_k_best(kept_d2, kept_indices, d2, indices)
         else:
@@ -86,7 +89,13 @@ def count_ball_point(
 ) -> Int[Array, "*batch"]:
     """`tree.count_ball_point` on validated queries and radii."""
     index_dtype = tree.leaf_indices.dtype
-    counts, far = search(tree, x, r, lambda r2: _BallCount(r2, index_dtype), metric)
+    counts, far = search(
+        tree,
+        x,
+        r,
+        lambda r2: _BallCount(r2, metric.accepts_within(r2), index_dtype),
+        metric,
+    )
     return jnp.where(far.beyond(far.distance <= r), 0, counts)
 
 
@@ -104,7 +113,9 @@ def _nearest_in_ball(
             tree,
             x,
             r,
-            lambda r2: _BallCollect(capacity, r2, index_dtype, nearest),
+            lambda r2: _BallCollect(
+                capacity, r2, metric.accepts_within(r2), index_dtype, nearest
+            ),
             metric,
         )
 

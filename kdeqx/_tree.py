@@ -159,8 +159,9 @@ class AbstractKDTree(eqx.Module):
         - `r`: radius, a scalar or one per query (shape `(...)`); finite and `>= 0`.
         - `p`: the Minkowski norm, as in `query`.
         - `eps`: approximate search, `>= 0`, as scipy's: subtrees whose nearest point
-            is farther than `r / (1 + eps)` are skipped, so the count lies between
-            the exact counts for `r / (1 + eps)` and `r`. `0` (default) is exact.
+            is farther than `r / (1 + eps)` are skipped, and the points met within
+            `r (1 + eps)` count, so the count lies between the exact counts for
+            `r / (1 + eps)` and `r (1 + eps)`. `0` (default) is exact.
 
         **Returns:**
 
@@ -192,7 +193,8 @@ class AbstractKDTree(eqx.Module):
         - `max_neighbors`: the fixed capacity `m`, a static Python int `>= 1`.
         - `p`: the Minkowski norm, as in `query`.
         - `eps`: approximate search, as in `count_ball_point` (the points returned
-            lie within `r`, and include every point within `r / (1 + eps)`).
+            lie within `r (1 + eps)`, and include every point within
+            `r / (1 + eps)`).
         - `raise_on_overflow`: if `True`, a query with more than `max_neighbors`
             points within `r` raises a runtime error (via `eqx.error_if`) instead of
             truncating silently.
@@ -374,7 +376,7 @@ class AbstractKDTree(eqx.Module):
         - `max_pairs`: the fixed capacity, a static Python int `>= 1`.
         - `p`: the Minkowski norm, as in `query`.
         - `eps`: approximate search, as in `count_ball_point`: every pair within
-            `r / (1 + eps)` is found, and no pair beyond `r`.
+            `r / (1 + eps)` is found, and no pair beyond `r (1 + eps)`.
         - `raise_on_overflow`: if `True`, more than `max_pairs` pairs raise a runtime
             error (via `eqx.error_if`) instead of being cut off.
         - `sort`: a static bool. `True` orders the pairs by `i`, then `j`. `False`

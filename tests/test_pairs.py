@@ -69,11 +69,14 @@ def test_query_pairs_in_a_periodic_box_and_approximately():
     reference = cKDTree(points, boxsize=[1.0, 1.0, 10.0])
     pairs, _, count = pairs_of(tree, 0.1, 4000)
     assert kdeqx.pair_set(pairs, count) == reference.query_pairs(0.1)
-    # eps: every pair within r / (1 + eps), none beyond r.
+    # eps: every pair within r / (1 + eps), none beyond r (1 + eps), as scipy's.
     eps = 0.5
     pairs, _, count = pairs_of(tree, 0.1, 4000, eps=eps)
     found = kdeqx.pair_set(pairs, count)
-    assert reference.query_pairs(0.1 / (1 + eps)) <= found <= reference.query_pairs(0.1)
+    inner, outer = (
+        reference.query_pairs(r) for r in (0.1 / (1 + eps), 0.1 * (1 + eps))
+    )
+    assert inner <= found <= outer
 
 
 @pytest.mark.x64

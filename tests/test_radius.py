@@ -140,3 +140,64 @@ def test_bad_radius_shape_and_capacity():
         tree.count_ball_point(np.zeros((4, 2)), np.ones(3))
     with pytest.raises(ValueError, match="`max_neighbors` must be >= 1"):
         tree.query_ball_point(np.zeros(2), 1.0, 0)
+
+
+def _check_eps_contract(found: set, distances: np.ndarray, r: float, eps: float):
+    """scipy's contract for an approximate radius search: every pair within
+    `r / (1 + eps)` is found, none beyond `r (1 + eps)`."""
+    pairs = np.argwhere(np.ones_like(distances, bool))
+    within = {tuple(p) for p in pairs if distances[tuple(p)] <= r / (1 + eps)}
+    allowed = {tuple(p) for p in pairs if distances[tuple(p)] <= r * (1 + eps)}
+    assert within <= found, sorted(within - found)[:5]
+    assert found <= allowed, sorted(found - allowed)[:5]
+
+
+@pytest.mark.parametrize("p", [1.0, 2.0, np.inf])
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.5])
+def test_every_radius_method_keeps_the_eps_contract(eps, p):
+    rng = np.random.default_rng(7)
+    points, x, r = rng.random((400, 3)), rng.random((60, 3)), 0.2
+    order = {1.0: 1, 2.0: 2, np.inf: np.inf}[p]
+    to_x = np.linalg.norm(x[:, None] - points[None], ord=order, axis=-1)
+    to_self = np.linalg.norm(points[:, None] - points[None], ord=order, axis=-1)
+    tree, queries = kdeqx.KDTree(points), kdeqx.KDTree(x)
+    capacity = 400
+
+    counts = np.asarray(tree.count_ball_point(x, r, p=p, eps=eps))
+    assert np.all(counts >= np.sum(to_x <= r / (1 + eps), axis=1))
+    assert np.all(counts <= np.sum(to_x <= r * (1 + eps), axis=1))
+
+    _, indices, counts = tree.query_ball_point(x, r, capacity, p=p, eps=eps)
+    found = {(q, int(j)) for q, row in enumerate(np.asarray(indices)) for j in row}
+    found = {(q, j) for q, j in found if j < len(points)}
+    assert len(found) == int(np.sum(counts))
+    _check_eps_contract(found, to_x, r, eps)
+
+    _, indices, counts = queries.query_ball_tree(tree, r, capacity, p=p, eps=eps)
+    found = {(q, int(j)) for q, row in enumerate(np.asarray(indices)) for j in row}
+    _check_eps_contract({(q, j) for q, j in found if j < len(points)}, to_x, r, eps)
+
+    pairs, _, count = tree.query_pairs(r, 20_000, p=p, eps=eps)
+    found = {tuple(pair) for pair in np.asarray(pairs)[: int(count)].tolist()}
+    upper = {(i, j) for i, j in np.argwhere(np.triu(np.ones_like(to_self), 1))}
+    self_distances = np.where(np.triu(np.ones_like(to_self), 1) > 0, to_self, np.inf)
+    _check_eps_contract(found, self_distances, r, eps)
+    assert found <= upper
+
+
+@pytest.mark.x64
+def test_scipy_query_pairs_eps_scenario():
+    """scipy's `test_query_pairs_eps`: on a grid of irrational spacing, pairs at the
+    spacing round to just beyond it; `eps=0.1` admits them, as `r = 1.01 spacing`."""
+    spacing = np.sqrt(2)
+    axis = np.linspace(0, 3 * spacing, 4)
+    grid = np.array([(a, b) for a in axis for b in axis])
+    tree = kdeqx.KDTree(grid)
+    assert tree.points.dtype == np.float64
+
+    def pair_set(pairs, count):
+        return {tuple(pair) for pair in np.asarray(pairs)[: int(count)].tolist()}
+
+    approximate = pair_set(*tree.query_pairs(spacing, 100, eps=0.1)[::2])
+    wider = pair_set(*tree.query_pairs(spacing * 1.01, 100)[::2])
+    assert approximate == wider and len(wider) == 24
