@@ -322,6 +322,8 @@ def sort_pairs(
     packed uint64 keys where the pairs fit, which XLA:CPU sorts ~6x faster than a
     two-key sort."""
     if not packs_pairs(d2.dtype, indices.dtype):
+        if jnp.dtype(d2.dtype).itemsize == 8 and d2.shape[-1] < 2**32:
+            return _sort_wide_pairs(d2, indices)
         return sort_pairs_reference(d2, indices)
     with enable_x64_locally():
         (keys,) = pack_pairs(d2, indices)
@@ -398,6 +400,42 @@ def sort_edges_in_rows(
     """Each row sorted by receiver, then image."""
     receivers, images = lax.sort((receivers, images), dimension=1, num_keys=2)
     return receivers, images
+
+
+def _sort_wide_pairs(d2, indices):
+    """`sort_pairs` for float64 distances, which do not pack with an index: three
+    sorts of uint64 keys, least significant first (a radix sort in 32-bit digits):
+    by index, by the low half of the distance's bits, then by the high half. Each
+    key carries the position its pair reached in the previous sort, so that each sort
+    keeps the previous order among its ties; single-operand integer sorts are the
+    ones XLA:CPU runs fast."""
+    axis = d2.ndim - 1
+    with enable_x64_locally():
+        bits = lax.bitcast_convert_type(d2, jnp.uint64)
+        digits = (
+            lax.convert_element_type(
+                lax.add(lax.bitcast_convert_type(indices, jnp.uint32), jnp.uint32(1)),
+                jnp.uint64,
+            ),
+            lax.bitwise_and(bits, jnp.uint64(2**32 - 1)),
+            lax.shift_right_logical(bits, jnp.uint64(32)),
+        )
+        order = lax.broadcasted_iota(jnp.int32, d2.shape, axis)
+        for digit in digits:
+            digit = jnp.take_along_axis(digit, order, axis=-1)
+            keys = lax.bitwise_or(
+                lax.shift_left(digit, jnp.uint64(32)),
+                lax.broadcasted_iota(jnp.uint64, d2.shape, axis),
+            )
+            ranked = lax.sort(keys, dimension=axis)
+            position = lax.bitwise_and(ranked, jnp.uint64(2**32 - 1))
+            order = jnp.take_along_axis(
+                order, lax.convert_element_type(position, jnp.int32), axis=-1
+            )
+    return (
+        jnp.take_along_axis(d2, order, axis=-1),
+        jnp.take_along_axis(indices, order, axis=-1),
+    )
 
 
 def sort_pairs_reference(d2, indices):

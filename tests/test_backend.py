@@ -362,6 +362,22 @@ def test_sort_pairs_sorts_rows_lexicographically(dtype):
         np.testing.assert_array_equal(ours[1][row], [e[1] for e in expected])
 
 
+@pytest.mark.x64
+def test_sort_pairs_orders_float64_distances_by_every_bit():
+    """float64 distances that agree in their high 32 bits and differ below them, and
+    ties among them, sort as the two-key sort does."""
+    rng = np.random.default_rng(7)
+    d2 = 1.0 + rng.integers(0, 6, (3, 80)) * 2.0**-45
+    d2[:, :5] = np.inf
+    d2[0, 10:20] = 0.0
+    indices = np.stack([rng.permutation(80) - 1 for _ in range(3)]).astype(np.int32)
+    ours = jax.jit(_backend.sort_pairs)(jnp.asarray(d2), jnp.asarray(indices))
+    for row in range(3):
+        expected = sorted(zip(d2[row], indices[row]))
+        np.testing.assert_array_equal(ours[0][row], [e[0] for e in expected])
+        np.testing.assert_array_equal(ours[1][row], [e[1] for e in expected])
+
+
 def test_sort_edges_packs_three_keys_as_the_reference_sorts():
     rng = np.random.default_rng(0)
     nodes, images = 1000, 27
