@@ -87,6 +87,9 @@ def squared_norms(offsets: Float[Array, "*batch d"]) -> Float[Array, "*batch"]:
     )
 
 
+# Jitted: called eagerly, the fit is traced and compiled once per shape, not on every
+# call (its chunked map would otherwise be traced anew each time).
+@eqx.filter_jit
 def interpolate_locally(
     tree: "AbstractKDTree",
     x: Float[Array, "*batch d"],
