@@ -1,5 +1,14 @@
-"""Timing shared by the benchmark scripts (run them from the repository root)."""
+"""Timing shared by the benchmark scripts (run them from the repository root), and the
+record of their results: with `KDEQX_RECORD=path`, each matched-cores row is also
+appended to that JSON-lines file with the machine, JAX version, commit and command
+(`benchmarks/table.py` turns `benchmarks/results.jsonl` into the table in
+`benchmarks/README.md`)."""
 
+import json
+import os
+import platform
+import subprocess
+import sys
 import time
 
 
@@ -83,11 +92,64 @@ def matched(implementations, repeats):
         yield label, ours, min(times.values()), row
 
 
-def print_matched(title, implementations, repeats, suffix=""):
-    """One line per core setting: ours, its ratio to the best native, every peer."""
+def print_matched(title, implementations, repeats, suffix="", task=None):
+    """One line per core setting: ours, its ratio to the best native, every peer;
+    recorded (`record`) as `task` (default `title`) where recording is on."""
     for label, ours, best, row in matched(implementations, repeats):
         print(
             f"{title} {label:>8} | kdeqx {ours:7.4f}s ({ours / best:5.2f}x best native)"
             f" | {row}{suffix}",
             flush=True,
         )
+        record(f"{task or title.strip()}, {label}", ours, "best native", best)
+
+
+def machine() -> str:
+    """The CPU model and the cores this process may use, or the accelerator."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return f"{jax.device_count()} x {jax.devices()[0].device_kind}"
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            names = [
+                line.split(":", 1)[1].strip() for line in info if "model name" in line
+            ]
+        model = names[0] if names else model
+    except OSError:
+        pass
+    return f"{model}, {len(os.sched_getaffinity(0))} cores"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def record(task: str, ours: float, peer: str, theirs: float) -> None:
+    """Appends one result to the file `KDEQX_RECORD` names (nothing if unset)."""
+    path = os.environ.get("KDEQX_RECORD")
+    if not path:
+        return
+    import jax
+
+    row = {
+        "task": task,
+        "kdeqx_s": round(ours, 6),
+        "peer": peer,
+        "peer_s": round(theirs, 6),
+        "machine": machine(),
+        "jax": jax.__version__,
+        "commit": _commit(),
+        "command": " ".join(["python", *sys.argv]),
+    }
+    with open(path, "a") as out:
+        out.write(json.dumps(row) + "\n")

@@ -139,7 +139,13 @@ def run(args, data):
                 if name in args.peers
             }
         )
-        print_matched(f"k={k:<4}", implementations, args.repeats, f" | exact {exact}")
+        print_matched(
+            f"k={k:<4}",
+            implementations,
+            args.repeats,
+            f" | exact {exact}",
+            task=f"kNN k={k}, n={len(points):.0e}, Q={len(x):.0e}, {data}",
+        )
 
 
 if __name__ == "__main__":

@@ -92,7 +92,12 @@ def main():
     for name, implementations in tasks(points, x, values, r, args.in_jit).items():
         for fn in implementations.values():
             jax.block_until_ready(fn())  # compiled, warm
-        print_matched(f"{name:<8}", implementations, args.repeats)
+        print_matched(
+            f"{name:<8}",
+            implementations,
+            args.repeats,
+            task=f"{name}, n={n:.0e}, Q={q:.0e}",
+        )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,9 @@ def _timed(label, fn):
 
 def _one_cpu_device_per_core() -> None:
     """One CPU device per core, before JAX starts its backend: a `KDTree` then splits
-    large query batches over them, each walked by its own lanes (~1.7x faster than
-    one device's intra-op threads on 2 cores). A script sets this, not a library."""
+    large query batches over them, each walked by its own lanes (faster than one
+    device's intra-op threads: `benchmarks/sharded.py`). A script sets this, not a
+    library."""
     try:
         jax.config.update("jax_num_cpu_devices", available_cores())
     except RuntimeError:  # JAX already started (the demo called from Python)

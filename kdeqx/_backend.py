@@ -6,8 +6,8 @@ says otherwise); `tests/test_backend.py` checks each pair against each other, so
 rest of the library may use either and means the same thing. The tricks are correct
 on every backend; only the lane count and the step cap are chosen per backend.
 
-Unless noted, measurements are from XLA:CPU on a 2-core x86-64 box (jax 0.10.2,
-float32, 3-D, n = 1e6, Q = 1e5, k = 8): see `benchmarks/RESULTS.md`.
+Unless noted, the choices were made on XLA:CPU; the benchmark named beside a choice
+backs it.
 """
 
 import contextlib
@@ -26,29 +26,25 @@ from ._custom_types import Array, Bool, Float, Int, UInt
 # ---------------------------------------------------------------------------------
 # Lanes: how many queries the traversal engine walks at once.
 
-# XLA:CPU, for the walk that leaves far children pending (n = 1e6, Q = 1e5, k = 8, 2
-# devices): 1024 lanes with at most 6, 8 and 12 moves between two leaf visits took
-# 0.105-0.109, 0.106-0.110 and 0.108-0.117 s on uniform data, 0.300-0.304,
-# 0.298-0.302 and 0.314-0.337 s on clustered data (k = 1, n = 1e5: 0.038-0.042,
-# 0.038 and 0.036-0.041 s); 512 and 2048 lanes with 8 moves 0.111-0.123 and
-# 0.110-0.119 s uniform, 0.310-0.321 and 0.320-0.348 s clustered (512 lanes answer
-# 1e4 queries far from a sheet or a curve 25 % faster: few queries per lane). The
-# walk that climbed back through each parent needed about twice the moves and took
-# 16 (`benchmarks/RESULTS.md`).
+# XLA:CPU, for the walk that leaves far children pending: 1024 lanes and at most 8
+# moves between two leaf visits. Fewer or more moves, or half or twice the lanes, were
+# no faster (fewer lanes help only small batches far from the points: few queries per
+# lane). The walk that climbed back through each parent needed about twice the moves,
+# and a cap of 16. Lanes and steps: see `benchmarks/knn_k.py` and
+# `benchmarks/walk_order.py`.
 CPU_LANES = 1024
 CPU_STEPS = 8
-# Fewer lanes for larger states, so that the lanes' states stay in cache: at n = 1e5,
-# Q = 1e4 on 2 cores, k = 128 took 0.11 s with 128 lanes against 0.18 s with 1024, and
-# k = 512 0.77 s with 64 lanes against 2.65 s (budgets of 64 KiB to 1 MiB and floors of
-# 16 to 64 lanes measured); k <= 16 keeps all 1024.
+# Fewer lanes for larger states, so that the lanes' states stay in cache: large k ran
+# far faster on a few lanes than on 1024. k <= 16 keeps all 1024. The budget and the
+# floor: see `benchmarks/knn_k.py`.
 _CPU_STATE_BYTES = 2**17
 _CPU_MIN_LANES = 64
 
-# GPUs and TPUs: enough lanes to fill the device (an H200 keeps ~270k threads in
-# flight), as long as the lanes' states fit in this much memory, and 16 moves between
-# leaf visits. On an H200 (n = 1.4e7, Q = 1e6, k = 8), with the walk that climbed back
-# through the parents, caps of 8, 16 and 32 took 0.088, 0.088 and 0.089 s; the
-# pending walk is not measured there yet.
+# GPUs and TPUs: enough lanes to fill the device (a GPU keeps far more threads in
+# flight than a CPU), as long as the lanes' states fit in this much memory, and 16
+# moves between leaf visits. On a GPU, with the walk that climbed back through the
+# parents, the cap made no difference; the pending walk's is `benchmarks/gpu.py`'s to
+# check.
 _ACCELERATOR_MAX_LANES = 2**20
 _ACCELERATOR_STATE_BYTES = 2**30
 ACCELERATOR_STEPS = 16
@@ -106,9 +102,9 @@ def step_cap(backend: str | None = None) -> int:
 # XLA:CPU splits each large kernel of a program over the cores (its intra-op thread
 # pool). Queries split over the CPU's devices, one per core, already keep every core
 # busy: the split then only costs, as every kernel waits for its slowest part and the
-# devices' parts contend for the same cores. Compiled without it (2 devices on 2
-# cores, n = 1e6, Q = 1e5, k = 8), kNN took 0.102 against 0.111 s on uniform data and
-# 0.299 against 0.309 s on clustered data, with medians of 0.104 against 0.145 s.
+# devices' parts contend for the same cores. Compiled without it, kNN queries split
+# over one device per core ran faster, and their times spread far less (see
+# `benchmarks/sharded.py`).
 _WITHOUT_KERNEL_SPLITS = {"xla_disable_hlo_passes": "cpu-parallel-task-assigner"}
 
 
@@ -130,8 +126,8 @@ def available_cores() -> int:
 # ---------------------------------------------------------------------------------
 # Sorting: one sort of packed 64-bit integers.
 #
-# XLA:CPU sorts a single integer array about 6x faster than a (key, index) pair, which
-# is what `jnp.argsort` sorts: 80 ms against 500 ms for 2**20 entries.
+# XLA:CPU sorts a single integer array several times faster than a (key, index) pair,
+# which is what `jnp.argsort` sorts.
 
 
 def enable_x64_locally():
@@ -154,9 +150,8 @@ def float32_sort_keys(values: Float[Array, "*shape"]) -> UInt[Array, "*shape"]:
 def argsort_keys(keys: UInt[Array, " m"]) -> Int[Array, " m"] | UInt[Array, " m"]:
     """A stable argsort of uint32 `keys` (ties by position): a 32-bit key and a 32-bit
     position packed into one uint64 and sorted together. The packed keys are unique,
-    so XLA's unstable sort serves: on XLA:CPU it is ~2.5x faster on keys that are
-    mostly in order already (12 ms against 30 ms for 78k shuffled keys ahead of 500k
-    in order), and no slower on random ones."""
+    so XLA's unstable sort serves: on XLA:CPU it is much faster on keys that are
+    mostly in order already, and no slower on random ones."""
     m = keys.shape[0]
     if m > 2**32:  # positions would not fit in 32 bits
         return argsort_keys_reference(keys)
@@ -189,9 +184,9 @@ def pairs_before(
 
     For squared distances `>= 0` and indices `>= -1`. With 32-bit distances and
     indices, each pair is ordered by one comparison of uint64 keys rather than the five
-    of the lexicographic order (kNN queries ran ~1.1x faster). Written in `lax` alone:
+    of the lexicographic order (kNN queries ran faster). Written in `lax` alone:
     inside the local x64 context each `jax.numpy` function would be traced afresh,
-    which added ~0.1 s to a query's first call.
+    which lengthened a query's first call.
     """
     if d2_a.dtype.itemsize != 4 or index_a.dtype.itemsize != 4:
         return pairs_before_reference(d2_a, index_a, d2_b, index_b)
@@ -319,8 +314,8 @@ def sort_pairs(
     d2: Float[Array, "*batch m"], indices: Int[Array, "*batch m"]
 ) -> tuple[Float[Array, "*batch m"], Int[Array, "*batch m"]]:
     """Sorts each row of `(d2 >= 0, index >= -1)` pairs lexicographically: one sort of
-    packed uint64 keys where the pairs fit, which XLA:CPU sorts ~6x faster than a
-    two-key sort."""
+    packed uint64 keys where the pairs fit, which XLA:CPU sorts several times faster
+    than a two-key sort."""
     if not packs_pairs(d2.dtype, indices.dtype):
         if jnp.dtype(d2.dtype).itemsize == 8 and d2.shape[-1] < 2**32:
             return _sort_wide_pairs(d2, indices)
@@ -335,7 +330,8 @@ def sort_index_pairs(
     rows: Int[Array, " m"], cols: Int[Array, " m"]
 ) -> tuple[Int[Array, " m"], Int[Array, " m"]]:
     """Sorts `(row, col)` pairs of non-negative 32-bit indices by row, then column:
-    one sort of packed uint64 keys (~5x faster on XLA:CPU than a two-key sort)."""
+    one sort of packed uint64 keys (several times faster on XLA:CPU than a two-key
+    sort)."""
     if jnp.dtype(rows.dtype).itemsize != 4 or jnp.dtype(cols.dtype).itemsize != 4:
         return sort_index_pairs_reference(rows, cols)
     with enable_x64_locally():
@@ -466,7 +462,7 @@ def pick_one_hot(
     pick one entry of one source per output slot.
 
     Floats are picked as their bits: a float sum went to a YNNPACK kernel, which made
-    the whole kNN query ~1.2x slower.
+    the whole kNN query slower.
     """
     dtype = sources[0][1].dtype
     if not jnp.issubdtype(dtype, jnp.floating):
@@ -491,7 +487,7 @@ def sum_nonnegative(terms: Float[Array, "... d"]) -> Float[Array, "..."]:
     outputs, the sum and the largest term; their maximum is the sum, bit for bit (a
     rounded sum of non-negative terms is never below one of them).
 
-    XLA:CPU keeps this reduction in its own loop emitter, where kNN queries ran ~1.2x
+    XLA:CPU keeps this reduction in its own loop emitter, where kNN queries ran
     faster. (Plain additions, the other way around YNNPACK, were miscompiled: see
     `sum_by_additions`.)
     """
@@ -548,7 +544,7 @@ _Slots = Int[Array, "d m"] | UInt[Array, "d m"]
 
 def move_rows(orders: _Slots, destination: _Slots):
     """`orders[j]` with entry `i` moved to `destination[j, i]` (a permutation of each
-    row): one flat scatter, 1.5-3x faster on XLA:CPU than a vmapped one."""
+    row): one flat scatter, faster on XLA:CPU than a vmapped one."""
     d, _ = orders.shape
     rows = jnp.arange(d, dtype=jnp.int32)[:, None]
     return move_rows_in_place(jnp.zeros_like(orders), orders, rows, destination)
@@ -634,11 +630,10 @@ def complex_product(
 
     On the CPU this is three real products (Gauss's trick, as BLAS's `zgemm3m`):
     `(a + ib)(c + id) = (ac - bd) + i((a + b)(c + d) - ac - bd)`, in one batched real
-    product. XLA:CPU's complex product runs at a third of its real throughput: at
-    n = 256 (complex128) one took 2.43 ms against 1.03 ms for these three, at
-    n = 1024 140 ms against 49 ms. The rounding differs from the reference's (the
-    imaginary part's error is bounded by the norms of `a + b` and `c + d`, as for any
-    fast complex product).
+    product. XLA:CPU's complex product runs well below its real throughput, so these
+    three are faster than the one (see `benchmarks/operator_series.py`). The rounding
+    differs from the reference's (the imaginary part's error is bounded by the norms
+    of `a + b` and `c + d`, as for any fast complex product).
     """
     backend = jax.default_backend() if backend is None else backend
     if backend != "cpu":
@@ -663,11 +658,9 @@ def complex_product_reference(lhs: Array, rhs: Array, dimension_numbers) -> Arra
 # ---------------------------------------------------------------------------------
 # Compiling small programs quickly.
 
-# XLA:CPU's older loop emitters and LLVM at -O1: for the operator series at n = 32,
-# K = 100 (complex128, 2 cores) the compile took 0.39-0.62 s against 0.84-1.35 s,
-# and the run 0.030 s against 0.028 s; at n = 256, K = 40 the run took 0.88 s
-# against 0.85 s (interleaved, best of 12), a cost worth paying only where compiling
-# dominates.
+# XLA:CPU's older loop emitters and LLVM at -O1: for the operator series, a much
+# shorter compile for a slightly slower run, a cost worth paying only where compiling
+# dominates (see `benchmarks/operator_series.py`).
 QUICK_START_OPTIONS = {
     "xla_cpu_use_fusion_emitters": False,
     "xla_backend_optimization_level": 1,
@@ -681,8 +674,8 @@ def quick_start_options(optimise: bool = True) -> dict[str, object]:
     knows (each checked once, on a trivial program), none on other backends.
 
     `optimise=False`: LLVM at -O0 instead, for code whose compile outweighs its run
-    (the operator series' Taylor expansions: at n = 32, K = 100 with an MLP
-    generator, 0.19 s of compile and 0.035 s of run against 0.39 s and 0.011 s)."""
+    (the operator series' Taylor expansions, whose shorter compile outweighs their
+    slower run)."""
     if jax.default_backend() != "cpu":
         return {}
     if not optimise:  # the same options, checked once, at another level

@@ -21,8 +21,8 @@ def bitmasks(flags: Bool[Array, "*rows columns"]) -> UInt[Array, "*rows words"]:
         return jnp.sum(bits << shifts, axis=-1, dtype=jnp.uint32)
 
     # Word by word, without padding the flags to whole words: a padded operand
-    # kept XLA:CPU from fusing the flags into the sum (a walk with 24-point leaves
-    # ran ~4x slower than with 32).
+    # kept XLA:CPU from fusing the flags into the sum (a walk with leaves of a size
+    # not a multiple of 32 ran several times slower).
     return jnp.stack([word(first) for first in range(0, columns, WORD)], axis=-1)
 
 
@@ -53,8 +53,8 @@ def laid_out(counts: Int[Array, " groups"], size: int):
     outputs, at ranks past its count.)
 
     Each group with outputs marks its first one (one scatter per group, not per
-    output), and a prefix sum counts the marks (XLA:CPU's prefix sum is ~3x faster
-    than its running maximum).
+    output), and a prefix sum counts the marks (XLA:CPU's prefix sum is several times
+    faster than its running maximum).
     """
     starts = jnp.cumsum(counts) - counts
     marks = jnp.zeros(size, jnp.int32).at[jnp.where(counts > 0, starts, size)]

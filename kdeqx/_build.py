@@ -46,7 +46,7 @@ def _sorted_orders(coords, valid, positions: int, index_dtype):
     valid = lax.slice_in_dim(valid, 0, positions)
     keys = float32_sort_keys(jnp.where(valid[:, None], coords, jnp.inf).T)
     # One sort per dimension, not one batched sort: XLA:CPU runs independent sorts
-    # on different cores (2 cores: the build of 1e6 points 0.27-0.30 s, not 0.37 s).
+    # in parallel (build: `benchmarks/knn.py`).
     return jnp.stack([argsort_keys(row).astype(index_dtype) for row in keys])
 
 
@@ -57,8 +57,8 @@ def _positions_with_points(n: int, depth: int, leaf_size: int) -> int:
     `0, ..., n - 1`, and at every later position each order holds its own slot: a
     level would leave it in place. `n` is rounded up to a sixteenth of the slots (a
     whole number of pairs of leaves, the deepest nodes): arrays whose length has fewer
-    factors of two ran slower (at n = 1e6 rounded to pairs of leaves, 1,000,000 of
-    1,048,576 positions, the build took 0.62-0.64 s against 0.58-0.59 s on one core).
+    factors of two ran slower (rounded to pairs of leaves alone, the build was slower;
+    see `benchmarks/knn.py`).
     """
     slots = leaf_size << depth
     granule = max(2 * leaf_size, slots // 16)
@@ -81,10 +81,9 @@ def _iota_in_loop(m: int, level, dtype):
     """`arange(m)`, computed in each level rather than hoisted out of the loop.
 
     XLA moves loop-invariant values out of a while loop and passes them in as part of
-    its state; XLA:CPU's kernels that read such values ran 3-4x slower than those that
-    computed them (the levels of a build of 1e6 points took 0.31 s instead of 0.21 s
-    on one core). A bound that depends on the level keeps `arange` inside; it never
-    binds.
+    its state; XLA:CPU's kernels that read such values ran several times slower than
+    those that computed them. A bound that depends on the level keeps `arange` inside;
+    it never binds.
     """
     bound = jnp.asarray(m, dtype) + jnp.asarray(level, dtype)  # `m` may not fit int32
     return jnp.minimum(jnp.arange(m, dtype=dtype), bound)
@@ -181,10 +180,9 @@ def _split_level(level, orders, *, coords, n, depth, leaf_size):
     return move_rows_in_place(orders, others, rows, destination)
 
 
-# Up to this many dimensions a level moves only the orders it must (in 2-D, 3-D and
-# 4-D builds of 3e5 points on one core, 22 %, 13 % and 15 % faster than moving every
-# order); beyond it the selects that set the widest order aside cost what they save
-# (8-D 0.666 s against 0.670 s) and lengthen the compile.
+# Up to this many dimensions a level moves only the orders it must (faster than
+# moving every order); beyond it the selects that set the widest order aside cost what
+# they save and lengthen the compile. See `benchmarks/knn.py` (`--d`).
 _MOVE_OTHERS_UP_TO_D = 4
 
 
@@ -221,7 +219,7 @@ def _rows_of_others(widest, d: int):
 def _without_widest(orders, widest):
     """The `d - 1` orders other than the widest dimension's (`widest` broadcasts
     against one order), in order. One select between two slices: rows stacked inside
-    a kernel made XLA:CPU's kernel 2-3x slower."""
+    a kernel made XLA:CPU's kernel several times slower."""
     other = _others_index(orders.shape[0], orders.ndim - 1)
     return jnp.where(other < widest, orders[:-1], orders[1:])
 
@@ -283,8 +281,8 @@ def _search_scale(points: Float[Array, "n d"]) -> Float[Array, ""]:
 
 def _order_dtype(slots: int, index_dtype):
     """The levels' dtype for slot numbers: unsigned where 32 bits hold them (signed
-    divisions and shifts take XLA:CPU extra steps: the build of 1e6 points on one
-    core took 0.46 s against 0.48 s with int32)."""
+    divisions and shifts take XLA:CPU extra steps, and the build ran slower with
+    int32)."""
     return jnp.uint32 if slots <= np.iinfo(np.uint32).max else index_dtype
 
 

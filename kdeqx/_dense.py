@@ -117,8 +117,8 @@ def _solve_or_regularise(
 
     Under `vmap` the mapped systems are solved as one batch: a vmapped `lax.cond` on a
     per-system predicate becomes a `select` that runs both branches, and the second
-    factorisation ran for every system (n = 1e6, k = 32, 20,000 queries: 0.63-0.72 s
-    of fitting against 0.44-0.47 s)."""
+    factorisation ran for every system, which made fitting markedly slower (see
+    `benchmarks/interpolate.py`)."""
     solution, singular = _solve(matrix, rhs)
 
     def regularised(_):

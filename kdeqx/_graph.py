@@ -381,8 +381,8 @@ def radius_edge_count(
     points, r, cell, segment, counts, self_loops, half, leaf_size
 ) -> Int[Array, ""]:
     """The number of edges `_radius_graph` finds, without collecting them: a program
-    that compiles in about two-thirds of the time (a neighbour list's first pass,
-    which sizes its capacity)."""
+    that compiles faster (a neighbour list's first pass, which sizes its
+    capacity)."""
     n, d = points.shape
     if n == 0:
         return jnp.zeros((), index_dtype_for(n + 1))
@@ -454,8 +454,8 @@ def _unsorted_edges(tree: KDTree, filled: Sink, capacity: int, index_dtype):
     0)`."""
     n = tree.n
     # Records grouped by sender first (unused ones last): the edges then come out
-    # nearly in order, which XLA:CPU's sort finishes ~2.5x faster than shuffled
-    # ones, for less than it spends here.
+    # nearly in order, which XLA:CPU's sort finishes much faster than shuffled ones,
+    # for less than it spends here.
     slots = filled.records[0]
     used = jnp.arange(capacity) < filled.stored
     senders = jnp.where(used, rows_at(tree.leaf_indices, slots), n)

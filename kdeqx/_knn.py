@@ -52,10 +52,9 @@ class _KNearest(AbstractVisitor):
         return merge_into_best(state, d2, indices)
 
 
-# Up to this k a query walks the default leaves' halves, leaves of 16 (2 CPU devices,
-# n = 1e6, Q = 1e5, 16 against 32 slots: k = 8 0.411 against 0.485 s on clustered
-# data, k = 16 0.205 against 0.220 s uniform; but k = 32 at n = 1e5 0.034 against
-# 0.030 s).
+# Up to this k a query walks the default leaves' halves, leaves of 16, which answer
+# it faster than leaves of 32 (most of all in clustered data); from k = 32 the whole
+# leaves are faster. See `benchmarks/knn_k.py`.
 HALVES_MAX_K = 16
 
 

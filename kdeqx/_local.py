@@ -117,7 +117,8 @@ def interpolate_locally(
         fitted = _map_in_chunks(fit_in_unit, arrays)
     else:
         # Each device fits its own queries: left to XLA, a sequential map over chunks
-        # is not split, and every device fitted every query (rbf: 1.96 s, split 1.05 s).
+        # is not split, and every device fitted every query (see
+        # `benchmarks/interpolate.py`, `--cpu-devices`).
         fitted = split_rows_over(
             devices, lambda *a: _map_in_chunks(fit_in_unit, a), arrays
         )

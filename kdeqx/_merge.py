@@ -41,19 +41,13 @@ from ._backend import (
 from ._custom_types import Array, Float, Int
 
 
-# Up to this k the small merges (by reduction or by ranks), the networks beyond.
-# Measured on XLA:CPU (float32, 3-D, 2 devices), k = 1, 8 and 16 at n = 1e6, Q = 1e5
-# by reduction against by ranks: 0.039, 0.089 and 0.150 s against 0.051, 0.097 and
-# 0.164 s on uniform data; 0.084, 0.260 and 0.449 s against 0.129, 0.296 and 0.502 s
-# on clustered data. At n = 1e5, Q = 1e4, by reduction against by networks: k = 24,
-# 0.033 against 0.024 s; k = 32, 0.040 against 0.028 s. (Earlier, by ranks against
-# by networks: k = 8: 0.017 s against 0.021 s; k = 16: 0.027 against 0.030.)
+# Up to this k the small merges (by reduction or by ranks), the networks beyond: on
+# XLA:CPU the reduction beats the ranks up to here, and the networks beat the
+# reduction above it (see `benchmarks/knn_k.py`).
 SMALL_K = 16
 # The rank merge only for leaves of at most this many entries: its leaf-by-leaf
-# comparisons grow as `L^2`. k = 8, n = 1e6, Q = 1e5, 2 devices, by ranks against by
-# networks: leaves of 32, 0.15 s against 0.22 s; 40, 0.36 against 0.43 s; 48, 0.47
-# against 0.41 s; 64, 0.72 against 0.35 s. (By reduction: leaves of 32, 0.084 s;
-# 64, 0.094 s, against 0.269 s by networks.)
+# comparisons grow as `L^2`, and for larger leaves the networks overtake it (see
+# `benchmarks/knn_k.py`, `--leaf-size`).
 RANK_MERGE_MAX_LEAF = 40
 
 _Keys = tuple[Array, ...]
@@ -65,11 +59,8 @@ def leaves_per_merge(k: int, leaf_size: int) -> int:
 
     A network merge costs about `K log K` for `K >= k` keys however few leaves it
     takes in, so beyond k = 64 it pays to take several; the walk then prunes with
-    a staler k-th distance. Measured with leaves of 32 (float32, n = 1e5, Q = 1e4,
-    3-D; 2 CPU devices, then one core): k = 64, 1 leaf 0.058 s, 2 leaves 0.095 s;
-    k = 128, 1, 2, 4: 0.142, 0.118, 0.145 s and 0.210, 0.203, 0.192 s; k = 256, 1,
-    4, 8: 0.35, 0.26, 0.23 s and 0.54, 0.39, 0.47 s; k = 512, 1, 4, 8: 0.90, 0.43,
-    0.40 s; k = 1024, one core, 1, 4, 8, 16: 5.44, 2.27, 1.67, 1.69 s.
+    a staler k-th distance, and more than 8 leaves gain nothing. See
+    `benchmarks/knn_k.py`.
     """
     if k <= SMALL_K:
         return 1
@@ -92,8 +83,7 @@ def merge_k_best(
         return merge_by_reduction(best_d2, best_indices, d2, indices)
     if k <= SMALL_K and leaf_size <= RANK_MERGE_MAX_LEAF:
         # Pairs that do not pack (float64): by reduction, its merges compare and
-        # select two arrays each, and the rank merge was faster (k = 8, n = 1e6,
-        # Q = 1e5: 0.147 against 0.154 s uniform, 0.457 against 0.500 s clustered).
+        # select two arrays each, and the rank merge was faster.
         return merge_by_ranks(best_d2, best_indices, d2, indices)
     return merge_by_networks(best_d2, best_indices, d2, indices)
 
@@ -101,7 +91,7 @@ def merge_k_best(
 # The k best as a walk keeps them: where pairs pack into 64-bit keys, one array
 # `(k, 2)` of the keys' uint32 halves (`kdeqx._backend.pair_halves`), else the pair
 # `(d2, indices)`. As one array, a lane's list is selected, reset and written out
-# once, not twice: a float32 kNN query compiled to five kernels fewer.
+# once, not twice: a float32 kNN query compiles to fewer kernels.
 Best = tuple[Array, ...]
 
 
@@ -154,7 +144,8 @@ def merge_by_ranks(best_d2, best_indices, d2, indices):
         leaf_before_leaf, axis=1, dtype=rank_dtype
     )
     # Two one-hot picks, one per source: concatenating best and leaf first made this
-    # merge ~3x slower on XLA:CPU (the concatenation is not fused into the loop).
+    # merge several times slower on XLA:CPU (the concatenation is not fused into the
+    # loop).
     slot = jnp.arange(k, dtype=rank_dtype)[:, None]
     from_best = best_rank[None, :] == slot  # (k, k), one-hot rows
     from_leaf = leaf_rank[None, :] == slot  # (k, leaf)
@@ -224,8 +215,8 @@ def _smallest_by_reduction(best: _Keys, leaf: _Keys) -> _Keys:
 
 
 # The leaf's entries enter `merge_by_reduction` in sorted groups of this many:
-# fewer, larger lists to merge. k = 8, leaves of 16, one core, 1,024 lanes: groups
-# of 1, 2, 4 and 8 took 113, 75, 62 and 73 us per merge, the rank merge 246 us.
+# fewer, larger lists to merge, each sorted by a small network. Groups of 4 merged
+# faster than of 1, 2 or 8 (see `benchmarks/knn.py`).
 _GROUP = 4
 # Optimal sorting networks (Knuth, TAOCP 5.3.4) as compare-exchange pairs.
 _NETWORKS = {

@@ -101,8 +101,8 @@ def _split_queries_jitted(compiler_options: tuple):
     """`_split_queries`, jitted with these compiler options (items of a dict: see
     `kdeqx._backend.device_per_core_options`), which apply where this `jit` is the
     outermost. Jitted, so that a call from outside any `jit` compiles once: an eager
-    `shard_map` compiled its body again on every call (0.85 s for a k = 8 query of
-    0.015 s)."""
+    `shard_map` compiled its body again on every call, which took far longer than
+    the query."""
     if not compiler_options:
         return eqx.filter_jit(_split_queries)
     # (`filter_jit` hands keyword arguments on to `jax.jit`; its type hints omit them.)
@@ -183,10 +183,8 @@ def cpu_devices_for(tree, x) -> list:
 
 
 # Below this many bytes the arrays are left as given: placing them as aliases costs
-# ~0.7 ms of Python on 2 devices, about what a split query's copy of a 4 MB tree costs
-# (eager k = 8 queries, 2 devices, aliased against copied: n = 3e4, 0.9 MB, 7.41
-# against 7.23 ms; n = 1e5, 3.5 MB, 16.66 against 16.61 ms; n = 3e5, 12.9 MB, 20.26
-# against 21.05 ms).
+# a fixed amount of Python per call, about what a split query's copy of a tree of
+# this size costs (eager queries, aliased against copied: see `benchmarks/sharded.py`).
 _SHARE_FROM_BYTES = 2**22
 
 
@@ -197,11 +195,11 @@ def shared_with_cpu_devices(arrays):
     `_SHARE_FROM_BYTES` none of which is committed to a device) as given.
 
     A query split over the CPU's devices hands each device the tree, and a tree on
-    one device is copied to every other device on every call: 16 ms of a 77 ms kNN
-    query on 16 cores (n = 1e6, Q = 1e5, k = 8), 12 ms of 182 ms on 2. CPU devices
-    share the process's memory, so each device's buffer can alias the one array. If
-    any placement would copy instead (JAX aliases aligned buffers only), nothing is
-    placed: copies of a large tree would cost memory and gain nothing.
+    one device is copied to every other device on every call: a sizeable share of a
+    large kNN query, the more so the more devices. CPU devices share the process's
+    memory, so each device's buffer can alias the one array. If any placement would
+    copy instead (JAX aliases aligned buffers only), nothing is placed: copies of a
+    large tree would cost memory and gain nothing.
     """
     devices = jax.local_devices()
     flat, structure = jax.tree.flatten(arrays)

@@ -119,7 +119,7 @@ class Minkowski(eqx.Module):
 
     def powered_of_axes(self, diffs: list[Float[Array, "*shape"]]):
         """The powered length of coordinate differences given axis by axis: XLA:CPU
-        vectorises this layout ~10x better than a short last axis."""
+        vectorises this layout far better than a short last axis."""
         if self.is_max:
             return ft.reduce(jnp.maximum, [jnp.abs(diff) for diff in diffs])
         return ft.reduce(jnp.add, [self._terms(diff) for diff in diffs])
@@ -188,11 +188,11 @@ class Minkowski(eqx.Module):
         box given axis by axis (`lo[j]`, `hi[j]`).
 
         Axis by axis: with each box a row of `d` entries, every move of the walk
-        summed over a short last axis, and on XLA:CPU kNN queries ran 2-8 % slower
-        (d = 8: 17 %). The bound is shrunk by a few ulps per dimension: a point on the
-        box's nearest corner has the same exact distance, but the two sums may round
-        differently (fused or not), and a bound one ulp too high would prune a tie
-        that must be visited.
+        summed over a short last axis, and on XLA:CPU kNN queries ran slower, the
+        more so the more dimensions. The bound is shrunk by a few ulps per dimension:
+        a point on the box's nearest corner has the same exact distance, but the two
+        sums may round differently (fused or not), and a bound one ulp too high would
+        prune a tie that must be visited.
         """
         x_lo, x_hi = x_axes
         gaps = []
@@ -216,8 +216,8 @@ class Minkowski(eqx.Module):
         """The powered distances from `x` to each of `points`: shape `(m,)` from a
         point, `(size, m)` from a block of `size` points."""
         if isinstance(x, Block):
-            # By additions: XLA:CPU vectorises a block's terms so ~10x better than
-            # a reduction over the short last axis.
+            # By additions: XLA:CPU vectorises a block's terms so far better than a
+            # reduction over the short last axis.
             diff = minimum_image(points - x.points[:, None], period)
             return self.powered(diff, "additions")
         return self.powered(minimum_image(points - x, period), "nonnegative")

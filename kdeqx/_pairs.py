@@ -118,10 +118,10 @@ def pairs_within(
 def _sorted_records(tree, x, r2, rows, offset, capacity, metric, above, m: int):
     """The pairs, sorted: `(rows, cols, count)`, padded with `(m, n)`.
 
-    On one device. Split over 2 CPU devices in blocks of rows (each device's sorted
+    On one device: split over the CPU devices in blocks of rows (each device's sorted
     pairs below the next's, all-gathered and concatenated inside `shard_map`), the
-    search took 0.200 s against 0.209 s on 2 cores at n = 1e5, and 0.38 s against
-    0.30 s on 1 core: no gain yet, the walk is not where the time goes.
+    search gained nothing with a core per device and lost on a shared core; the walk
+    is not where the time goes (see `benchmarks/scipy_api.py`).
     """
     visitors = jax.vmap(
         lambda r2, row: _WithinRadius(r2, metric.accepts_within(r2), row, offset, above)

@@ -111,8 +111,8 @@ def _balanced(kernel, poly, poly_at_query):
     """The polynomial columns scaled to the kernel's entries. The interpolant does not
     depend on their scale, but the test for a singular system does: it compares the
     pivots with the largest entry, and thin-plate entries of ~1e-3 beside polynomial
-    ones of ~1 made regular float32 systems look singular (0.5 % of them at n = 1e6,
-    k = 32), whose ridge then spoiled their fit."""
+    ones of ~1 made some regular float32 systems look singular, whose ridge then
+    spoiled their fit."""
     balance = jnp.max(jnp.abs(kernel)) / jnp.max(jnp.abs(poly))
     balance = lax.stop_gradient(jnp.where(balance > 0, balance, 1))
     return poly * balance, poly_at_query * balance
@@ -174,8 +174,8 @@ class LocalRbf(AbstractLocalFit):
         kernel = self._radial(_pairwise_squared(offsets), unit)
         smoothing = self._smoothing(columns[:, 0].astype(kernel.dtype), unit)
         # Onto the diagonal by a scatter, not `+ jnp.diag(smoothing)`, whose mask XLA
-        # hoists out of the loop over chunks of queries: n = 1e5, 20,000 queries,
-        # k = 32, the same answers in 0.70-0.72 s against 0.79-0.81 s on one core.
+        # hoists out of the loop over chunks of queries: the same answers, faster (see
+        # `benchmarks/interpolate.py`).
         diagonal = jnp.arange(k)
         kernel = kernel.at[diagonal, diagonal].add(smoothing)
         if r > 0:

@@ -65,8 +65,8 @@ def far_queries(
     lo, hi = (
         lax.stop_gradient(box[:, 0]) * unscale for box in (tree.node_lo, tree.node_hi)
     )
-    # Axis by axis: reductions over the short last axis made this check about a
-    # seventh of a kNN query's compile.
+    # Axis by axis: reductions over the short last axis made this check a sizeable
+    # share of a kNN query's compile (see `benchmarks/compile_work.py`).
     x_axes, _ = query_axes(x)
     gaps = [
         jnp.maximum(jnp.maximum(lo[j] - x_j, x_j - hi[j]), 0)
@@ -83,8 +83,8 @@ def far_queries(
     powered = jnp.where(far, powered, jnp.nan)
     # One array, NaN where not far, whose last step is a division (exact, by a power
     # of two): XLA:CPU computes it once, where it computed every cheaper last step
-    # again, with the whole check, in each kernel that reads it (the two that end a
-    # kNN query had ~125 operations each, now ~30).
+    # again, with the whole check, in each kernel that reads it (the kernels that end
+    # a kNN query were several times larger).
     distance = metric.from_power(powered) / per_unit
     return FarQueries(far=~jnp.isnan(distance), distance=distance)
 
@@ -186,8 +186,8 @@ def found_distances(
 
     The values are the walk's (the ones it ranked by; a recomputation from the rows
     may differ in the last bit, as the sums round in another order), so a query's
-    program needs no second pass over the neighbours' rows, which was an eighth of
-    its compile work; only derivatives gather them.
+    program needs no second pass over the neighbours' rows, a sizeable share of its
+    compile work (see `benchmarks/compile_work.py`); only derivatives gather them.
     """
     measured = metric.from_power(d2) / lax.stop_gradient(tree.scale)
     measured = jnp.where(far.far[..., None], far.distance[..., None], measured)

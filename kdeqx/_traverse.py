@@ -7,7 +7,7 @@ heap layout (the children of node `i` are `2 i + 1` and `2 i + 2`) the far child
 level is the sibling of the walk's node's ancestor there, so a lane's whole memory of
 the walk is its node and one integer. Once a subtree is done, the walk goes straight
 into the deepest pending one, without climbing back up through the parents (about
-half the moves of a walk that climbs, for the same leaves; `benchmarks/RESULTS.md`).
+half the moves of a walk that climbs, for the same leaves; `benchmarks/walk_order.py`).
 
 Many queries are walked by a fixed set of lanes (`walk_many`). A vmapped loop costs its
 slowest lane, so a lane whose query is finished takes its next one at once, instead of
@@ -174,8 +174,8 @@ def _ranks(emits: Bool[Array, "*groups size"]) -> Int[Array, "*groups size"]:
     """For each flag, how many flags are set before it (in row-major order).
 
     For groups of at most 32, from each group's bitmask (the set bits below a flag)
-    and a prefix sum over the groups: a prefix sum over every flag cost XLA:CPU up
-    to twice as much (9 ms against 5 ms for 60 appends of 32 x 1024 flags).
+    and a prefix sum over the groups: a prefix sum over every flag cost XLA:CPU
+    markedly more.
     """
     size = emits.shape[-1]
     if size > WORD:
@@ -381,7 +381,7 @@ class _Steps(eqx.Module):
         move to it does to the pending subtrees, applied only here, in the next
         step. So the moves' outputs do not both depend on the children's boxes:
         XLA:CPU would then gather each coordinate in a kernel of its own, once for
-        both outputs, and a move took twice as long."""
+        both outputs, and a move took far longer."""
         node = cursor >> 2
         update = cursor & 3
         bit = jnp.ones_like(pending) << self.level(node)
@@ -540,8 +540,8 @@ def walk_many(
     lane_bytes = sum(s.size * s.dtype.itemsize for s in jax.tree.leaves(one_state))
     if isinstance(x, Block):
         # A block's leaf visit measures block x leaf distances: with those counted,
-        # block walks get ~64 lanes on a CPU, not 1024 (measured: radius graphs
-        # ~20% faster; every idle lane costs a full visit per step).
+        # block walks get a few dozen lanes on a CPU, not 1024 (radius graphs ran
+        # faster: every idle lane costs a full visit per step; `benchmarks/graphs.py`).
         block_size, itemsize = x.points.shape[-2], x.points.dtype.itemsize
         lane_bytes += block_size * tree.leaf_size * itemsize
     lanes = lane_count(lane_bytes)
@@ -668,8 +668,8 @@ def walk_many(
         # Lanes that finished take the next queries along the curve, in lane order: a
         # lane is never idle while queries wait, and the walk ends about one query's
         # walk after the last was dealt. (Lanes dealt every `lanes`-th query ahead of
-        # time waited for the lane with the longest total: uniform k = 8 queries took
-        # 0.184 s against 0.157 s, on clustered data 0.672 s against 0.551 s.)
+        # time waited for the lane with the longest total, and were slower, most of
+        # all on clustered data.)
         before, dealt = _lane_ranks(finished)
         position = jnp.where(finished, next_free + before.astype(index_dtype), position)
         next_free = next_free + dealt.astype(index_dtype)
@@ -683,7 +683,7 @@ def walk_many(
         answers = init(jnp.arange(q, dtype=index_dtype))
     # Each lane's position along the curve, cursor and pending subtrees, as one
     # array: set up, and updated after each step, by one kernel each where three
-    # arrays took three (XLA:CPU; a kNN query compiled to 36 kernels, not 39).
+    # arrays took three (XLA:CPU: a kNN query compiles to fewer kernels).
     walks = jnp.stack(
         [
             lane,

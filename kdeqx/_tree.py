@@ -382,9 +382,9 @@ class AbstractKDTree(eqx.Module):
         - `sort`: a static bool. `True` orders the pairs by `i`, then `j`. `False`
             leaves them in the order the walk met them (the same for the same tree
             on the same backend, otherwise unspecified, like scipy's
-            `output_type="ndarray"`), which spares the sort of `max_pairs` keys:
-            about half of this query's time on a CPU. A `ShardedKDTree` sorts
-            either way.
+            `output_type="ndarray"`), which spares the sort of `max_pairs` keys, a
+            large share of this query's time on a CPU (see
+            `benchmarks/scipy_api.py`). A `ShardedKDTree` sorts either way.
 
         **Returns:**
 
@@ -442,7 +442,8 @@ class AbstractKDTree(eqx.Module):
 
         With `other` this very tree (scipy's idiom for one set's matrix), the pairs
         `i < j` are found once, by `query_pairs`' walk, then mirrored, and the
-        diagonal added: about 2.5x faster.
+        diagonal added: much faster than a walk for every pair (see
+        `benchmarks/scipy_api.py`).
         """
         self._check_other(other)
         max_entries = check_static_int("max_entries", max_entries, 1)
@@ -678,22 +679,21 @@ class KDTree(AbstractKDTree):
             visited leaf; powers of two build fastest. `None` (default): leaves of
             32, each also split in two halves of 16 with boxes of their own, which
             the queries for at most 16 nearest neighbours (`query`, `interpolate`
-            with the nearest) walk as leaves. Measured (n = 1e6, 1e5 queries, 2 CPU
-            devices, k = 8): leaves of 16 answered 3 % faster than 32 on uniform
-            data and 17 % faster on clustered data, while radius counts and most
-            k >= 32 ran up to 23 % slower; leaves of 40-64 ran 2-3x slower. An int
-            gives leaves of that many slots to every query.
+            with the nearest) walk as leaves: few neighbours are found faster in
+            leaves of 16 (most of all in clustered data), radius counts and most
+            larger `k` in leaves of 32, and much larger leaves are slower for every
+            query (see `benchmarks/knn_k.py`, `--leaf-size`). An int gives leaves of
+            that many slots to every query.
         - `split_queries`: on a CPU with several devices (for example after
             `jax.config.update("jax_num_cpu_devices", len(os.sched_getaffinity(0)))`,
             set before JAX starts: one device per core this process may use, as the
             demo does), split every batch of at least 256 queries per device over
             them: each device walks its share with its own lanes, nothing else is
-            communicated, and the answers are the same. On 2 cores that made kNN
-            queries ~1.7x faster than one device's intra-op threads; more devices
-            than cores make them slower (2 devices on one core: 0.33 s against one
-            device's 0.22 s, n = 1e6, Q = 1e5, k = 8). `False` keeps
-            queries on one device; queries that are already split, or inside a mesh
-            or `shard_map` of the caller's, are never split again.
+            communicated, and the answers are the same. That answers kNN queries
+            faster than one device's intra-op threads; more devices than cores make
+            them slower (see `benchmarks/sharded.py`). `False` keeps queries on one
+            device; queries that are already split, or inside a mesh or `shard_map`
+            of the caller's, are never split again.
         """
         points = check_points("points", points)
         leaf_size = check_leaf_size(leaf_size)

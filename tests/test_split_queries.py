@@ -18,17 +18,21 @@ def split_checks() -> subprocess.CompletedProcess:
     return run_checks(*SPLIT_QUERY_CHECKS)
 
 
+@pytest.mark.multidevice
 def test_shard_map_over_queries_keeps_their_sharding(split_checks):
     assert_passed(split_checks, "shard_map_queries")
 
 
+@pytest.mark.multidevice
 def test_queries_split_over_cpu_devices_match_one_device(split_checks):
     assert_passed(split_checks, "cpu_split")
 
 
+@pytest.mark.multidevice
 def test_jit_over_split_queries(split_checks):
     assert_passed(split_checks, "jit_queries")
 
 
+@pytest.mark.multidevice
 def test_jit_over_split_queries_on_an_explicit_mesh(split_checks):
     assert_passed(split_checks, "jit_queries_explicit")

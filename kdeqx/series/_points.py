@@ -46,7 +46,7 @@ def weighted_sums(
 ) -> Complex[Array, "J n n"]:
     """`sum_i weights[:, i] x[i]` for `x` stored as real and imaginary planes: one
     real matrix product, which on the CPU runs at memory speed where the complex
-    one (a `J x L` by `L x n^2` product) takes three times as long."""
+    one (a `J x L` by `L x n^2` product) takes several times as long."""
     count = weights.shape[0]
     real_weights = jnp.concatenate([weights.real, weights.imag])
     parts = jnp.tensordot(real_weights, planes, 1)

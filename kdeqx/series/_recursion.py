@@ -79,11 +79,9 @@ _SUM_OF_PRODUCTS = (((0, 2), (0, 1)), ((), ()))
 
 
 # From this size on, the general path multiplies only the coefficients that can meet
-# the generator's, rounded up to one of `PARTS` equal parts of the order (the MLP
-# generator at n = 128, K = 40, interleaved: 0.61 s whole, 0.58 s in 2 parts, 0.50 s
-# in 8; the general path at n = 256, K = 40: 6.3 s, 4.6 s and 4.0 s). Below, the
-# extra product kernels cost more compile time than they save (n = 32, K = 100, in
-# 2 parts: +0.1 s of compile, -0.025 s of run).
+# the generator's, rounded up to one of `PARTS` equal parts of the order (more parts
+# run faster). Below, the extra product kernels cost more compile time than they
+# save. See `benchmarks/operator_series.py`.
 PARTS_FROM = 64
 PARTS = 8
 
@@ -192,11 +190,9 @@ class DenseTerms(eqx.Module):
         return _only_zeroth(self.reversed.mantissa, axis=0)
 
 
-# From this size on, diagonal factored matrices scale rather than multiply (the
-# driven series with a diagonal `X_0`, interleaved, best of 12: n = 256, K = 40
-# 1.005 s against 1.082 s; n = 128 0.244 s against 0.255 s); below, the products are
-# cheap and the check's branch costs compile time (first calls at n <= 32 took
-# 0.03-0.07 s longer with it).
+# From this size on, diagonal factored matrices scale rather than multiply, which
+# runs faster; below, the products are cheap and the check's branch costs compile
+# time that small first calls notice. See `benchmarks/operator_series.py`.
 DIAGONAL_FROM = 128
 
 
@@ -312,9 +308,9 @@ class FactoredTerms(eqx.Module):
 Terms = DenseTerms | FactoredTerms
 
 
-# From this size on, the sums weighted by factored terms read `V` as real planes:
-# at n = 256 the complex `J x L` by `L x n^2` product took 4.9 ms and the real one
-# 1.7 ms; below, the planes' upkeep costs more compile time than the sums save.
+# From this size on, the sums weighted by factored terms read `V` as real planes: the
+# real `J x L` by `L x n^2` product is several times faster than the complex one;
+# below, the planes' upkeep costs more compile time than the sums save.
 PLANES_FROM = 128
 
 
@@ -328,9 +324,9 @@ def _sums_sparing_constants(
     """`weighted_sums`, where the rows `constant_rows` belong to constant terms:
     their only nonzero weight is that of `x[m]` (`current`), so they scale it and the
     pass over every `x[i]` serves the other rows alone. For `H0 + cos(t) H1` with a
-    constant `X_0` that is two real rows of weights instead of six (alone, at
-    n = 1024: 34 ms against 71-93 ms); the whole series at n = 256, K = 40 ran
-    0.5-8 % faster (seven interleaved comparisons), at n = 1024 within noise."""
+    constant `X_0` that is two real rows of weights instead of six: the sums
+    themselves run markedly faster, the whole series a little faster at moderate `n`
+    (see `benchmarks/operator_series.py`)."""
     count = weights.shape[0]
     others = [row for row in range(count) if row not in constant_rows]
     by_row = {row: weights[row, m] * current for row in constant_rows}
@@ -447,12 +443,10 @@ def _propagators(
 
 
 def window_size(n: int) -> int:
-    """Left terms per product in [`_cauchy_product`][], by measurement (complex128,
-    Hermitian pairing, 2 cores, best of 3-20 interleaved runs of the product alone):
-    at n = 32, K = 100: 19, 17, 16, 17 ms with 1, 2, 4, 8 terms; n = 128, K = 40:
-    175, 164, 166 ms with 1, 2, 4; n = 256, K = 40: 712, 700, 816, 985 ms with 1, 2,
-    4, 8; n = 512, K = 40: 5.24 s with 1 against 5.54 s with 2. Wider windows save
-    steps and copies of the right term but compute products past the last term."""
+    """Left terms per product in [`_cauchy_product`][], chosen by timing the product
+    alone (`benchmarks/operator_series.py`). Wider windows save steps and copies of
+    the right term but compute products past the last term: they pay for small
+    matrices, and cost for large ones."""
     return 4 if n < 64 else 2 if n < 384 else 1
 
 
@@ -549,9 +543,8 @@ def _cauchy_product(
 # (`kdeqx.series._points`), `O(K)` products instead of `O(K^2)`, where the direct
 # one would cost at least `POINTS_FROM_WORK` multiply-adds (its `(K + 1)^2 / 4`
 # products of `n^3`, paired): from n = 256 at K = 40, n = 1024 at K = 8. There it
-# saves more per call than it adds to the compile (about 1 s on 2 cores: n = 128,
-# K = 40 first calls 1.9 s against 2.8 s, runs 242 ms against 130 ms; n = 256,
-# K = 40 runs 1.26 s against 0.53 s).
+# saves more per call than it adds to the compile, which it lengthens markedly;
+# below, a call saves too little to repay that. See `benchmarks/operator_series.py`.
 POINTS_FROM_WORK = 2**32
 POINTS_ORDER_FROM = 8
 
@@ -561,9 +554,8 @@ def _at_points_pays(hamiltonian: Terms, n: int, order: int) -> bool:
     propagators' coefficients fall off as `h^k / k!` and suit a circle or two.
     A generator given by its coefficients may have any profile: an MLP's falls off
     geometrically after a far larger zeroth term, so most coefficients lose too
-    much on any circle and are summed one product at a time (n = 128, K = 100:
-    4.00 s against 3.68 s for the direct product; n = 256, K = 40 3.02 s against
-    3.15 s), and its propagator recursion costs most of its time anyway."""
+    much on any circle and are summed one product at a time (no faster than the
+    direct product), and its propagator recursion costs most of its time anyway."""
     direct_work = (order + 1) ** 2 * n**3 // 4
     return (
         isinstance(hamiltonian, FactoredTerms)

@@ -68,22 +68,20 @@ def _size_of(observable: Callable[[Array], Array] | Array) -> int | None:
     return shape[0]
 
 
-# Up to this size a first call is mostly compiling (at n = 32, K = 100: 0.6-0.9 s of
-# compiling for a 0.03 s run), so it is compiled with `quick_start_options`.
+# Up to this size a first call is mostly compiling, so it is compiled with
+# `quick_start_options` (see `benchmarks/operator_series.py`).
 QUICK_START_UP_TO = 64
 
 
 # From this much work on (`(K + 1)^2 n^3`: n = 32 from K = 11, n = 16 from K = 31,
 # n = 8 from K = 90), a quick start is split in two programs (see [`_jit`][]). The
 # split saves compile time and costs run time: a second dispatch and a wait for the
-# shortcuts (0.2-0.4 ms per call), and expansions compiled unoptimised, whose Taylor
-# recurrences then run several times slower (an MLP generator at K = 100: about
-# 9 ms more per call). Measured first calls / runs with an MLP generator (width 32,
-# 2 cores), split against not: n = 32, K = 100 0.89 / 1.02 s, 112 / 97 ms; n = 16,
-# K = 100 0.82 / 1.05 s, 37 / 27 ms; n = 8, K = 100 0.80 / 1.00 s, 17 / 7.9 ms;
-# n = 4, K = 100 0.77 / 0.90 s, 13 / 3.6 ms (not split); the question's n = 2, K = 9
-# runs in 0.29 ms, 0.52 ms split. Repeated evaluations belong under `jax.jit`,
-# which compiles one program with the default options.
+# shortcuts, and expansions compiled unoptimised, whose Taylor recurrences then run
+# several times slower. From this much work on, a split first call is the shorter;
+# below it, the slower runs outweigh the compile saved, which the smallest series
+# (the question's n = 2, K = 9) would feel most (see `benchmarks/operator_series.py`).
+# Repeated evaluations belong under `jax.jit`, which compiles one program with the
+# default options.
 SPLIT_FROM_WORK = 2**22
 
 
@@ -104,8 +102,7 @@ def _jit(finish: Finish) -> Callable:
     compiled for a quick start. Past [`SPLIT_FROM_WORK`][] that is two programs: the
     expansions, unoptimised (`quick_start_options(optimise=False)`), and then, with
     the [`hermitian_shortcuts`][] they report fixed, the recursion, which holds only
-    the branches they take. At n = 32, K = 100 (an MLP generator, 2 cores) the first
-    call took 0.86-0.94 s against 1.01-1.08 s as one program."""
+    the branches they take: a shorter first call than as one program."""
 
     def whole(series: "OperatorSeries", t: Real[Array, ""]):
         hamiltonian, observable = _generator_terms(series, t)
@@ -151,7 +148,7 @@ class OperatorSeries(eqx.Module):
     (an `eqx.nn.MLP` in `t`, say), `eqx.filter_grad` reaches their parameters. The
     static field `size` is `n`, read off the observable when the series is built
     (`None` if it is not one square matrix); up to `n = 64` a call made outside any
-    transformation compiles with options that halve XLA:CPU's compile time.
+    transformation compiles with options that shorten XLA:CPU's compile markedly.
 
     !!! Example
 
@@ -374,7 +371,7 @@ def _terms(expansion: _Expansion, dtype: Any, length: int) -> Terms:
     """The recursion's view of a generator: factored if [`_factored_terms`][] says
     so, else its coefficients."""
     # Constants (the matrices of `H0 + cos(t) H1`, a constant observable) would
-    # otherwise be preprocessed by XLA's constant folding, which took 4 s at n = 1024.
+    # otherwise be preprocessed by XLA's constant folding, slowly at large n.
     if isinstance(expansion, FactoredCoefficients):
         scalars, matrices = lax.optimization_barrier(expansion[:2])
         if _factored_terms(expansion, length) is not None:
