@@ -147,7 +147,7 @@ def local_fits(n, q, budgets=(2**24, 2**27, 2**30)):
     CPU always fits 2,048)."""
     from interpolate import kdeqx_kernels, LOCAL_K, rmse, smooth_field
 
-    from kdeqx import _backend
+    from kdeqx._backend import _lanes as _backend
 
     rng = np.random.default_rng(0)
     points, x = rng.random((n, 3)), rng.random((q, 3))
@@ -194,7 +194,7 @@ def local_fits(n, q, budgets=(2**24, 2**27, 2**30)):
 def step_caps(tree, x, k, expected, caps=(8, 16, 32)):
     """The same query with other step caps (steps between two leaf visits, chosen
     per backend: `kdeqx._backend.step_cap`): steady times, and the same answers."""
-    from kdeqx import _backend
+    from kdeqx._backend import _lanes as _backend
 
     name = "CPU_STEPS" if jax.default_backend() == "cpu" else "ACCELERATOR_STEPS"
     chosen = getattr(_backend, name)

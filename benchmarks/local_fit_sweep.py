@@ -5,7 +5,8 @@ jitted and eager, ten calls each, for query counts from 1 to 8,192.
 
 Each case runs in this process; a case that hangs stops the script, so finishing is
 the result (it guards the deadlock that jaxlib's LAPACK kernels caused, see
-`kdeqx/_dense.py`). Prints one line per query count with the slowest steady call.
+`kdeqx/_interpolation/_dense.py`). Prints one line per query count with the slowest
+steady call.
 """
 
 import argparse

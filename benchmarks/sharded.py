@@ -47,7 +47,7 @@ def measure(n, q, k, repeats):
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
     import kdeqx
-    from kdeqx._sharded import ShardedKDTree
+    from kdeqx._tree._sharded import ShardedKDTree
 
     devices = jax.device_count()
     rng = np.random.default_rng(0)

@@ -3,9 +3,9 @@
     python benchmarks/walk_order.py --pending [--data clustered uniform]
 
 replays, for a sample of queries on kdeqx's own tree (the same leaf boxes the query
-walks), in NumPy, the engine's walk (`kdeqx._traverse`: far children left pending as
-one bit per level, the deepest pending one entered next) beside the walk it replaced
-on 2026-12-05, which climbed back up through each parent (`climbing_walk`, 16 moves
+walks), in NumPy, the engine's walk (`kdeqx._engine._traverse`: far children left
+pending as one bit per level, the deepest pending one entered next) beside the walk
+it replaced, which climbed back up through each parent (`climbing_walk`, 16 moves
 per leaf visit): leaves visited, moves, and outer iterations (one leaf visit, then up
 to a cap of moves) at several caps.
 
@@ -53,9 +53,9 @@ from knn_k import points_and_queries
 
 import kdeqx
 from kdeqx._backend import CPU_STEPS, gather_clamped, lexicographic_less
-from kdeqx._knn import _KNearest
-from kdeqx._metric import EUCLIDEAN
-from kdeqx._traverse import _Steps, morton_codes
+from kdeqx._engine._metric import EUCLIDEAN
+from kdeqx._engine._traverse import _Steps, morton_codes
+from kdeqx._query._knn import _KNearest
 
 
 def walked_tree(points):
@@ -185,7 +185,7 @@ def level_of(node):
 
 
 def pending_walk(boxes, q, k, cap):
-    """The engine's walk (`kdeqx._traverse`) from the nearest leaf: `(outer
+    """The engine's walk (`kdeqx._engine._traverse`) from the nearest leaf: `(outer
     iterations, leaves visited, moves, k-th squared distance)` with `cap` moves per
     leaf visit. A far child is left pending if worth a visit when passed (every one
     on the first descent); a pending subtree is entered without a new test (its

@@ -2,23 +2,23 @@
 
 import importlib.metadata
 
-from ._convert import (
+from ._graph._graph import (
+    knn_graph as knn_graph,
+    NeighborGraph as NeighborGraph,
+    radius_graph as radius_graph,
+)
+from ._graph._neighbor_list import NeighborList as NeighborList
+from ._interpolation._frozen import Frozen as Frozen
+from ._interpolation._interpolate import Interpolator as Interpolator
+from ._query._convert import (
     ball_lists as ball_lists,
     distance_dict as distance_dict,
     pair_array as pair_array,
     pair_set as pair_set,
     to_scipy_sparse as to_scipy_sparse,
 )
-from ._frozen import Frozen as Frozen
-from ._graph import (
-    knn_graph as knn_graph,
-    NeighborGraph as NeighborGraph,
-    radius_graph as radius_graph,
-)
-from ._interpolate import Interpolator as Interpolator
-from ._neighbor_list import NeighborList as NeighborList
-from ._sharded import ShardedKDTree as ShardedKDTree
-from ._tree import AbstractKDTree as AbstractKDTree, KDTree as KDTree
+from ._tree._sharded import ShardedKDTree as ShardedKDTree
+from ._tree._tree import AbstractKDTree as AbstractKDTree, KDTree as KDTree
 from .series import OperatorSeries as OperatorSeries
 
 

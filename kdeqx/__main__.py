@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from ._backend import available_cores
-from ._tree import KDTree
+from ._tree._tree import KDTree
 
 
 def _parse(argv):

@@ -174,7 +174,7 @@ def _case(name: str):
     """
     if name not in _CASES:
         import kdeqx
-        from kdeqx._sharded import ShardedKDTree
+        from kdeqx._tree._sharded import ShardedKDTree
 
         mesh = jax.make_mesh((NUM_DEVICES,), ("shards",))
         rng = np.random.default_rng(sum(map(ord, name)))
@@ -227,7 +227,7 @@ def test_sharded_communication():
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     import kdeqx
-    from kdeqx._sharded import ShardedKDTree
+    from kdeqx._tree._sharded import ShardedKDTree
 
     mesh = jax.make_mesh((NUM_DEVICES,), ("shards",))
     rng = np.random.default_rng(3)
@@ -358,8 +358,8 @@ def test_cpu_split():
     from scipy.interpolate import RBFInterpolator
 
     import kdeqx
-    from kdeqx import _mesh
-    from kdeqx._mesh import shared_with_cpu_devices
+    from kdeqx._backend import _mesh
+    from kdeqx._backend._mesh import shared_with_cpu_devices
 
     rng = np.random.default_rng(7)
     points = rng.random((3000, 3)).astype(np.float32)

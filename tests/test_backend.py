@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kdeqx import _backend
-from kdeqx._merge import (
+from kdeqx._engine._merge import (
     best_of_pairs,
     merge_by_networks,
     merge_by_ranks,
@@ -18,7 +18,7 @@ from kdeqx._merge import (
     precedes_last,
     SMALL_K,
 )
-from kdeqx._traverse import morton_codes
+from kdeqx._engine._traverse import morton_codes
 
 from .helpers import DTYPES
 
@@ -241,18 +241,18 @@ def test_fit_chunk_per_backend():
 
 
 def test_step_cap_per_backend(monkeypatch):
-    monkeypatch.setattr(_backend, "ACCELERATOR_STEPS", 7)
+    monkeypatch.setattr(_backend._lanes, "ACCELERATOR_STEPS", 7)
     assert _backend.step_cap("cpu") == _backend.CPU_STEPS == 8
     assert _backend.step_cap("gpu") == _backend.step_cap("tpu") == 7
 
 
 def test_kernels_are_split_over_cores_only_when_devices_are_fewer(monkeypatch):
-    monkeypatch.setattr(_backend, "available_cores", lambda: 2)
+    monkeypatch.setattr(_backend._cores, "available_cores", lambda: 2)
     without_splits = {"xla_disable_hlo_passes": "cpu-parallel-task-assigner"}
     assert _backend.device_per_core_options(2) == without_splits
     assert _backend.device_per_core_options(4) == without_splits
     assert _backend.device_per_core_options(1) == {}
-    monkeypatch.setattr(_backend, "available_cores", lambda: 16)
+    monkeypatch.setattr(_backend._cores, "available_cores", lambda: 16)
     assert _backend.device_per_core_options(2) == {}
 
 
@@ -393,7 +393,7 @@ def test_sort_edges_packs_three_keys_as_the_reference_sorts():
 
 def test_quick_start_options_keep_only_the_options_this_jaxlib_knows(monkeypatch):
     options = {"xla_no_such_option": 1, "xla_backend_optimization_level": 1}
-    monkeypatch.setattr(_backend, "QUICK_START_OPTIONS", options)
+    monkeypatch.setattr(_backend._compile, "QUICK_START_OPTIONS", options)
     _backend.quick_start_options.cache_clear()
     try:
         known = _backend.quick_start_options()

@@ -1,10 +1,10 @@
-"""Bitmask helpers (`kdeqx._bits`) against plain numpy."""
+"""Bitmask helpers (`kdeqx._engine._bits`) against plain numpy."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kdeqx._bits import bitmasks, laid_out, nth_set_bit
+from kdeqx._engine._bits import bitmasks, laid_out, nth_set_bit
 
 
 def test_bitmasks_pack_flags_by_column():

@@ -5,7 +5,7 @@ import pytest
 from scipy.spatial import cKDTree
 
 import kdeqx
-from kdeqx._merge import leaves_per_merge
+from kdeqx._engine._merge import leaves_per_merge
 
 from .helpers import (
     assert_knn_correct,

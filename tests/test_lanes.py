@@ -14,9 +14,10 @@ import pytest
 from scipy.spatial import cKDTree
 
 import kdeqx
-from kdeqx import _backend, _traverse
+from kdeqx import _backend
 from kdeqx._backend import CPU_LANES as LANES
-from kdeqx._metric import Minkowski
+from kdeqx._engine import _traverse
+from kdeqx._engine._metric import Minkowski
 
 from .helpers import assert_knn_correct, clustered, DTYPES, lattice, lattice_queries
 
@@ -136,7 +137,7 @@ def test_answers_do_not_depend_on_the_step_cap(monkeypatch, cap):
     tree = kdeqx.KDTree(points)
     expected = _all_kinds(tree, x, bound, r, 5)
     assert _backend.step_cap() == _backend.CPU_STEPS  # the suite runs on the CPU
-    monkeypatch.setattr(_backend, "CPU_STEPS", cap)  # read when a walk is traced
+    monkeypatch.setattr(_backend._lanes, "CPU_STEPS", cap)  # read when a walk is traced
     eqx.clear_caches()
     jax.clear_caches()
     try:

@@ -60,7 +60,7 @@ def test_fits_do_not_depend_on_the_chunk(monkeypatch, kernel):
     tree = kdeqx.KDTree(points)
     fit = eqx.filter_jit(lambda t, x, v: t.interpolate(x, v, k=12, kernel=kernel))
     whole = fit(tree, x, values)
-    monkeypatch.setattr(_backend, "CPU_FIT_CHUNK", 7)  # read when traced
+    monkeypatch.setattr(_backend._lanes, "CPU_FIT_CHUNK", 7)  # read when traced
     chunked = eqx.filter_jit(lambda t, x, v: t.interpolate(x, v, k=12, kernel=kernel))
     np.testing.assert_allclose(chunked(tree, x, values), whole, rtol=1e-9)
     assert not np.allclose(whole[:-1], whole[1:])  # distinct answers per query
@@ -129,7 +129,7 @@ def test_rbf_collinear_neighbourhood_is_finite_and_exact_on_the_line():
 
 
 def _solvers():
-    from kdeqx._dense import _eliminate_solve, _lu_solve
+    from kdeqx._interpolation._dense import _eliminate_solve, _lu_solve
 
     return {"lu": _lu_solve, "elimination": _eliminate_solve}
 
@@ -162,7 +162,7 @@ def test_eliminate_solves_as_lu(dtype):
     with their zero block first (the first pivot must come from another row),
     several right-hand sides, against float64 numpy, and a zero pivot found exactly
     where LU finds one."""
-    from kdeqx._dense import _eliminate_solve, _lu_solve
+    from kdeqx._interpolation._dense import _eliminate_solve, _lu_solve
 
     rng = np.random.default_rng(0)
     m, r = 12, 3
@@ -209,7 +209,7 @@ def test_mapped_solves_retry_only_the_batch_that_needs_it(dtype):
     a per-system predicate would turn into a `select` running both. The results
     equal the batched call's and numpy's, with a singular system among them
     regularised to a finite solution."""
-    from kdeqx._dense import solve_symmetric
+    from kdeqx._interpolation._dense import solve_symmetric
 
     rng = np.random.default_rng(1)
     half = rng.standard_normal((6, 5, 5))

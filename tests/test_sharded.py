@@ -85,7 +85,7 @@ def _one_device_mesh():
 
 def test_empty_tree_answers_sentinels():
     import kdeqx
-    from kdeqx._sharded import ShardedKDTree
+    from kdeqx._tree._sharded import ShardedKDTree
 
     points, x = np.zeros((0, 2)), np.random.default_rng(0).random((9, 2))
     sharded, tree = ShardedKDTree(points, _one_device_mesh()), kdeqx.KDTree(points)
@@ -95,7 +95,7 @@ def test_empty_tree_answers_sentinels():
 
 
 def test_bad_construction_raises():
-    from kdeqx._sharded import ShardedKDTree
+    from kdeqx._tree._sharded import ShardedKDTree
 
     mesh = _one_device_mesh()
     points = np.zeros((5, 2))
@@ -114,7 +114,7 @@ def test_bad_construction_raises():
 
 
 def test_bad_queries_raise():
-    from kdeqx._sharded import ShardedKDTree
+    from kdeqx._tree._sharded import ShardedKDTree
 
     tree = ShardedKDTree(np.random.default_rng(0).random((20, 2)), _one_device_mesh())
     x = np.zeros((3, 2))
@@ -146,7 +146,7 @@ def test_bad_queries_raise():
 
 def test_one_device_ball_query_and_interpolator_match_one_tree():
     import kdeqx
-    from kdeqx._sharded import ShardedKDTree
+    from kdeqx._tree._sharded import ShardedKDTree
 
     rng = np.random.default_rng(5)
     points, x = rng.random((50, 2)), rng.random((7, 2))

@@ -8,8 +8,11 @@ import equinox as eqx
 import jax.lax as lax
 import jax.numpy as jnp
 
+from .._custom_types import Array, ArrayLike, Bool, Float, Int
+from .._engine._search import rows_at
+from .._tree._tree import check_points
+from .._validate import as_float_array, check_finite, check_positive, check_static_int
 from ._cell import as_cell, Cell, image_counts
-from ._custom_types import Array, ArrayLike, Bool, Float, Int
 from ._graph import (
     _check_batch,
     _radius_graph,
@@ -17,9 +20,6 @@ from ._graph import (
     radius_edge_count,
     with_points,
 )
-from ._search import rows_at
-from ._tree import check_points
-from ._validate import as_float_array, check_finite, check_positive, check_static_int
 
 
 class NeighborList(eqx.Module):

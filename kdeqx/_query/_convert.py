@@ -6,7 +6,7 @@ capacity that was too small would otherwise become a silently shorter list.
 
 import numpy as np
 
-from ._custom_types import ArrayLike
+from .._custom_types import ArrayLike
 
 
 def _checked_count(count: ArrayLike, capacity: int, argument: str) -> int:

@@ -21,7 +21,7 @@ Inside the packed keys' x64 context everything is written in `lax` alone.
 import jax.lax as lax
 import jax.numpy as jnp
 
-from ._backend import (
+from .._backend import (
     enable_x64_locally,
     halves_of_keys,
     keys_of_halves,
@@ -38,7 +38,7 @@ from ._backend import (
     precedes_halves,
     unpack_pairs,
 )
-from ._custom_types import Array, Float, Int
+from .._custom_types import Array, Float, Int
 
 
 # Up to this k the small merges (by reduction or by ranks), the networks beyond: on

@@ -9,8 +9,8 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
-from ._custom_types import Array, ArrayLike, Bool, Float, Int, PyTree
-from ._validate import as_float_array, check_finite, check_static_int, is_concrete
+from .._custom_types import Array, ArrayLike, Bool, Float, Int, PyTree
+from .._validate import as_float_array, check_finite, check_static_int, is_concrete
 
 
 class Cell(eqx.Module):

@@ -17,9 +17,22 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _knn
-from ._backend import argsort_keys, sort_edges, sort_edges_in_rows
-from ._bits import bitmasks, set_bit_count, WORD
+from .._backend import argsort_keys, sort_edges, sort_edges_in_rows
+from .._custom_types import Array, ArrayLike, Bool, Float, Int, PyTree
+from .._engine._bits import bitmasks, set_bit_count, WORD
+from .._engine._metric import Block, EUCLIDEAN, norm_without_overflow
+from .._engine._search import rows_at, search_threshold
+from .._engine._traverse import AbstractEmitter, Sink, walk_many
+from .._query import _knn
+from .._query._pairs import unpacked
+from .._tree._tree import check_points, KDTree
+from .._validate import (
+    as_float_array,
+    check_finite,
+    check_positive,
+    check_static_int,
+    index_dtype_for,
+)
 from ._cell import (
     as_cell,
     as_lattice,
@@ -28,19 +41,6 @@ from ._cell import (
     first_nonzero_positive,
     image_counts,
     shift_table,
-)
-from ._custom_types import Array, ArrayLike, Bool, Float, Int, PyTree
-from ._metric import Block, EUCLIDEAN, norm_without_overflow
-from ._pairs import unpacked
-from ._search import rows_at, search_threshold
-from ._traverse import AbstractEmitter, Sink, walk_many
-from ._tree import check_points, KDTree
-from ._validate import (
-    as_float_array,
-    check_finite,
-    check_positive,
-    check_static_int,
-    index_dtype_for,
 )
 
 

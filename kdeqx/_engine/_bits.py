@@ -3,7 +3,7 @@
 import jax.lax as lax
 import jax.numpy as jnp
 
-from ._custom_types import Array, Bool, Int, UInt
+from .._custom_types import Array, Bool, Int, UInt
 
 
 WORD = 32

@@ -1,22 +1,17 @@
 """Fixed-radius queries: counting and collecting the points within `r` of each query."""
 
-from typing import TYPE_CHECKING
-
 import equinox as eqx
 import jax.lax as lax
 import jax.numpy as jnp
 
-from ._backend import sort_pairs
-from ._custom_types import Array, Ball, Bool, Float, Int, Queries, Threshold
-from ._merge import leaves_per_merge, merge_k_best, SMALL_K
-from ._mesh import split_like_queries, split_over_cpu_devices
-from ._metric import Minkowski
-from ._search import found_distances, search
-from ._traverse import AbstractVisitor
-
-
-if TYPE_CHECKING:
-    from ._tree import KDTree
+from .._backend import sort_pairs
+from .._backend._mesh import split_like_queries, split_over_cpu_devices
+from .._custom_types import Array, Ball, Bool, Float, Int, Queries, Threshold
+from .._engine._base import AbstractSearchTree
+from .._engine._merge import leaves_per_merge, merge_k_best, SMALL_K
+from .._engine._metric import Minkowski
+from .._engine._search import found_distances, search
+from .._engine._traverse import AbstractVisitor
 
 
 class _BallCount(AbstractVisitor):
@@ -85,7 +80,7 @@ class _BallCollect(AbstractVisitor):
 @eqx.filter_jit
 @split_like_queries
 def count_ball_point(
-    tree: "KDTree", x: Queries, r: Threshold, metric: Minkowski
+    tree: AbstractSearchTree, x: Queries, r: Threshold, metric: Minkowski
 ) -> Int[Array, "*batch"]:
     """`tree.count_ball_point` on validated queries and radii."""
     index_dtype = tree.leaf_indices.dtype
@@ -100,7 +95,7 @@ def count_ball_point(
 
 
 def _nearest_in_ball(
-    tree: "KDTree", x: Queries, r: Threshold, capacity: int, metric: Minkowski
+    tree: AbstractSearchTree, x: Queries, r: Threshold, capacity: int, metric: Minkowski
 ):
     """The `capacity` nearest points within `r` of each query (sorted), and the
     counts. Small capacities keep the nearest as the walk goes; large ones collect
@@ -135,7 +130,7 @@ def _nearest_in_ball(
 @eqx.filter_jit
 @split_like_queries
 def query_ball_point(
-    tree: "KDTree", x: Queries, r: Threshold, capacity: int, metric: Minkowski
+    tree: AbstractSearchTree, x: Queries, r: Threshold, capacity: int, metric: Minkowski
 ) -> Ball:
     """`tree.query_ball_point` on validated queries and radii."""
     index_dtype = tree.leaf_indices.dtype

@@ -12,11 +12,11 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 
-from ._backend import argsort_keys, float32_sort_keys, move_rows, move_rows_in_place
-from ._custom_types import Array, Float
-from ._floats import power_of_two
-from ._metric import wrap_into_box
-from ._validate import index_dtype_for
+from .._backend import argsort_keys, float32_sort_keys, move_rows, move_rows_in_place
+from .._custom_types import Array, Float
+from .._engine._metric import wrap_into_box
+from .._floats import power_of_two
+from .._validate import index_dtype_for
 
 
 def _tree_depth(n: int, leaf_size: int) -> int:

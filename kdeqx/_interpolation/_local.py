@@ -12,15 +12,15 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from . import _backend
-from ._custom_types import Array, Float, Int
-from ._floats import power_of_two
-from ._mesh import cpu_devices_for, split_rows_over
-from ._metric import EUCLIDEAN, minimum_image, Minkowski, unit_exponent
+from .. import _backend
+from .._backend._mesh import cpu_devices_for, split_rows_over
+from .._custom_types import Array, Float, Int
+from .._engine._metric import EUCLIDEAN, minimum_image, Minkowski, unit_exponent
+from .._floats import power_of_two
 
 
 if TYPE_CHECKING:
-    from ._tree import AbstractKDTree
+    from .._tree._tree import AbstractKDTree
 
 
 class AbstractLocalFit(eqx.Module):

@@ -15,7 +15,7 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 
-from ._custom_types import Array, Bool, Float
+from .._custom_types import Array, Bool, Float
 
 
 def _entry_scale(matrix: Float[Array, "*batch m m"]) -> Float[Array, "*batch"]:

@@ -1,12 +1,12 @@
 """k-nearest-neighbour queries: a visitor that keeps the k best, and its entry."""
 
-from typing import TYPE_CHECKING
-
 import equinox as eqx
 import jax.numpy as jnp
 
-from ._custom_types import Array, Bool, Float, Neighbours, Queries, Threshold
-from ._merge import (
+from .._backend._mesh import split_like_queries, split_over_cpu_devices
+from .._custom_types import Array, Bool, Float, Neighbours, Queries, Threshold
+from .._engine._base import AbstractSearchTree
+from .._engine._merge import (
     Best,
     best_of_pairs,
     leaves_per_merge,
@@ -14,14 +14,9 @@ from ._merge import (
     pairs_of_best,
     precedes_last,
 )
-from ._mesh import split_like_queries, split_over_cpu_devices
-from ._metric import Minkowski
-from ._search import found_distances, search
-from ._traverse import AbstractVisitor
-
-
-if TYPE_CHECKING:
-    from ._tree import KDTree
+from .._engine._metric import Minkowski
+from .._engine._search import found_distances, search
+from .._engine._traverse import AbstractVisitor
 
 
 class _KNearest(AbstractVisitor):
@@ -62,7 +57,7 @@ HALVES_MAX_K = 16
 @eqx.filter_jit
 @split_like_queries
 def knn(
-    tree: "KDTree", x: Queries, bound: Threshold, k: int, metric: Minkowski
+    tree: AbstractSearchTree, x: Queries, bound: Threshold, k: int, metric: Minkowski
 ) -> Neighbours:
     """`tree.query` on validated queries. Queries for few neighbours walk the
     halves of the leaves as leaves, where the tree has them (see `KDTree`)."""

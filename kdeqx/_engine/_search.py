@@ -12,15 +12,15 @@ return jnp.where(far.beyond(far.distance <= r), 0, states)
 
 import functools as ft
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
 
-from ._custom_types import Array, Bool, Float, Int, PyTree
-from ._floats import binary_exponent, power_of_two
+from .._custom_types import Array, Bool, Float, Int, PyTree
+from .._floats import binary_exponent, power_of_two
+from ._base import AbstractSearchTree
 from ._metric import (
     minimum_image,
     Minkowski,
@@ -29,10 +29,6 @@ from ._metric import (
     wrap_into_box,
 )
 from ._traverse import AbstractVisitor, far_limit, walk_many
-
-
-if TYPE_CHECKING:
-    from ._tree import KDTree
 
 
 class FarQueries(eqx.Module):
@@ -54,7 +50,7 @@ class FarQueries(eqx.Module):
 
 
 def far_queries(
-    tree: "KDTree", x: Float[Array, "*batch d"], metric: Minkowski
+    tree: AbstractSearchTree, x: Float[Array, "*batch d"], metric: Minkowski
 ) -> FarQueries:
     x = wrap_into_box(lax.stop_gradient(x), tree.period)
     scale = lax.stop_gradient(tree.scale)
@@ -90,7 +86,7 @@ def far_queries(
 
 
 def search_threshold(
-    tree: "KDTree", r: Float[Array, "*batch"], metric: Minkowski
+    tree: AbstractSearchTree, r: Float[Array, "*batch"], metric: Minkowski
 ) -> Float[Array, "*batch"]:
     """A distance `r` as a powered distance in the tree's scaled search coordinates.
 
@@ -106,7 +102,7 @@ def search_threshold(
 
 
 def search(
-    tree: "KDTree",
+    tree: AbstractSearchTree,
     x: Float[Array, "*batch d"],
     threshold: Float[Array, "*batch"] | Float[Array, ""],
     make_visitor: Callable[[Float[Array, ""]], AbstractVisitor],
@@ -159,7 +155,7 @@ def rows_at(values: Array, indices: Int[Array, "*batch k"]) -> Array:
 
 
 def neighbour_distances(
-    tree: "KDTree",
+    tree: AbstractSearchTree,
     x: Float[Array, "*batch d"],
     indices: Int[Array, "*batch k"],
     p: float = 2.0,
@@ -173,7 +169,7 @@ def neighbour_distances(
 
 
 def found_distances(
-    tree: "KDTree",
+    tree: AbstractSearchTree,
     x: Float[Array, "*batch d"],
     indices: Int[Array, "*batch k"],
     d2: Float[Array, "*batch k"],
@@ -196,7 +192,7 @@ def found_distances(
 
 
 def measured_distances(
-    tree: "KDTree",
+    tree: AbstractSearchTree,
     x: Float[Array, "*batch d"],
     indices: Int[Array, "*batch k"],
     measured: Float[Array, "*batch k"],

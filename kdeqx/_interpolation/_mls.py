@@ -19,7 +19,7 @@ uniformly spread). Where it does not (strongly clustered data), `R` is capped at
 import jax.lax as lax
 import jax.numpy as jnp
 
-from ._custom_types import Array, Float
+from .._custom_types import Array, Float
 from ._dense import solve_symmetric
 from ._local import AbstractLocalFit, monomial_powers, monomials, squared_norms
 

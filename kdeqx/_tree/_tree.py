@@ -15,9 +15,8 @@ import jax
 import jax.experimental.sparse
 import jax.numpy as jnp
 
-from . import _interpolate, _knn, _pairs as _pairs_module, _radius, _rbf
-from ._build import build_search_arrays
-from ._custom_types import (
+from .._backend._mesh import split_like_queries
+from .._custom_types import (
     Array,
     ArrayLike,
     Ball,
@@ -27,11 +26,13 @@ from ._custom_types import (
     Queries,
     Threshold,
 )
-from ._local import AbstractLocalFit, interpolate_locally
-from ._mesh import split_like_queries
-from ._metric import check_norm, Minkowski
-from ._search import rows_at
-from ._validate import (
+from .._engine._base import AbstractSearchTree
+from .._engine._metric import check_norm, Minkowski
+from .._engine._search import rows_at
+from .._interpolation import _interpolate, _rbf
+from .._interpolation._local import AbstractLocalFit, interpolate_locally
+from .._query import _knn, _pairs as _pairs_module, _radius
+from .._validate import (
     as_float_array,
     as_period,
     check_finite,
@@ -44,6 +45,7 @@ from ._validate import (
     check_values,
     check_weights,
 )
+from ._build import build_search_arrays
 
 
 class AbstractKDTree(eqx.Module):
@@ -621,7 +623,7 @@ class AbstractKDTree(eqx.Module):
 DEFAULT_LEAF_SIZE = 32
 
 
-class KDTree(AbstractKDTree):
+class KDTree(AbstractSearchTree, AbstractKDTree):
     """An exact k-d tree over `n` points in `d` dimensions, built and queried in JAX.
 
     The tree is a balanced median-split k-d tree stored as flat arrays in heap order
@@ -707,33 +709,6 @@ class KDTree(AbstractKDTree):
         self.period = period
         self.leaf_size = leaf_size
         self.split_queries = bool(split_queries)
-
-    @property
-    def n(self) -> int:
-        return self.points.shape[-2]
-
-    @property
-    def d(self) -> int:
-        return self.points.shape[-1]
-
-    @property
-    def dtype(self) -> jnp.dtype:
-        return self.points.dtype
-
-    @property
-    def num_leaves(self) -> int:
-        return self.leaf_points.shape[-2] // self.leaf_size
-
-    @property
-    def halves(self) -> bool:
-        """Whether the nodes go one level below the leaves: the children of leaf node
-        `i` are its first and second `leaf_size // 2` slots (the default leaves)."""
-        return self.node_lo.shape[-1] > 2 * self.num_leaves - 1
-
-    def _leaf_boxes(self) -> tuple[Float[Array, "leaves d"], Float[Array, "leaves d"]]:
-        """Each leaf's box, `(lo, hi)` (the nodes may go on below the leaves)."""
-        first, last = self.num_leaves - 1, 2 * self.num_leaves - 1
-        return self.node_lo[:, first:last].T, self.node_hi[:, first:last].T
 
     def _halves_as_leaves(self) -> "KDTree":
         """This tree one level deeper: each leaf's halves as leaves of their own (the

@@ -9,21 +9,21 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._custom_types import Array, ArrayLike, Bool, Float
-from ._frozen import Frozen
-from ._local import AbstractLocalFit
-from ._mls import MovingLeastSquares
-from ._rbf import check_rbf, LocalRbf, needs_epsilon, Radial
-from ._validate import (
+from .._custom_types import Array, ArrayLike, Bool, Float
+from .._validate import (
     check_nonnegative_smoothing,
     check_positive,
     check_static_int,
     check_values,
 )
+from ._frozen import Frozen
+from ._local import AbstractLocalFit
+from ._mls import MovingLeastSquares
+from ._rbf import check_rbf, LocalRbf, needs_epsilon, Radial
 
 
 if TYPE_CHECKING:
-    from ._tree import AbstractKDTree
+    from .._tree._tree import AbstractKDTree
 
 
 Kernel = Literal["idw", "gaussian", "rbf", "mls"]

@@ -9,12 +9,12 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ._custom_types import Array, ArrayLike, Float, Int
-from ._metric import Minkowski
-from ._pairs import counts_within, no_pairs, Pairs, pairs_within
-from ._search import rows_at
+from .._custom_types import Array, ArrayLike, Float, Int
+from .._engine._metric import Minkowski
+from .._engine._search import rows_at
+from .._query._pairs import counts_within, no_pairs, Pairs, pairs_within
+from .._validate import as_period, index_dtype_for
 from ._tree import AbstractKDTree, check_leaf_size, check_points, KDTree
-from ._validate import as_period, index_dtype_for
 
 
 def _split_rows(rows: Array, num_shards: int) -> tuple[Array, Array]:

@@ -15,9 +15,9 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 
-from ._backend import sum_by_additions, sum_nonnegative
-from ._custom_types import Array, Float
-from ._floats import binary_exponent, power_of_two
+from .._backend import sum_by_additions, sum_nonnegative
+from .._custom_types import Array, Float
+from .._floats import binary_exponent, power_of_two
 
 
 def _on_periodic_axes(transform, x: Float[Array, "... d"], period):

@@ -9,19 +9,18 @@ A tree's pairs with itself (`self_pairs`) are walked once per leaf instead, each
 leaf a `Block` query, with the pairs carried as bitmasks.
 """
 
-from typing import TYPE_CHECKING
-
 import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
 
-from ._backend import sort_index_pairs
-from ._bits import bitmasks, laid_out, nth_set_bit, set_bit_count, WORD
-from ._custom_types import Array, Bool, Float, Int
-from ._mesh import split_sum_over_cpu_devices
-from ._metric import Block, minimum_image, Minkowski, wrap_into_box
-from ._search import (
+from .._backend import sort_index_pairs
+from .._backend._mesh import split_sum_over_cpu_devices
+from .._custom_types import Array, Bool, Float, Int
+from .._engine._base import AbstractSearchTree
+from .._engine._bits import bitmasks, laid_out, nth_set_bit, set_bit_count, WORD
+from .._engine._metric import Block, minimum_image, Minkowski, wrap_into_box
+from .._engine._search import (
     far_queries,
     FarQueries,
     measured_distances,
@@ -29,12 +28,8 @@ from ._search import (
     rows_at,
     search_threshold,
 )
-from ._traverse import AbstractEmitter, AbstractVisitor, Sink, walk_many
-from ._validate import index_dtype_for
-
-
-if TYPE_CHECKING:
-    from ._tree import KDTree
+from .._engine._traverse import AbstractEmitter, AbstractVisitor, Sink, walk_many
+from .._validate import index_dtype_for
 
 
 class Pairs(eqx.Module):
@@ -82,7 +77,7 @@ def no_pairs(m: int, n: int, capacity: int, dtype, index_dtype) -> Pairs:
 
 @eqx.filter_jit
 def pairs_within(
-    tree: "KDTree",
+    tree: AbstractSearchTree,
     x: Float[Array, "m d"],
     r: Float[Array, ""],
     capacity: int,
@@ -185,7 +180,7 @@ def unpacked(slots, leaves, masks, capacity: int, leaf_size: int):
     return record, a, b, jnp.arange(capacity) < jnp.sum(counts)
 
 
-def _last_leaves(tree: "KDTree") -> Int[Array, " nodes"]:
+def _last_leaves(tree: AbstractSearchTree) -> Int[Array, " nodes"]:
     """Per node (heap order), the number of the last leaf below it: right children
     all the way down, `(i + 2) * 2**levels - 2` for a node `levels` above the
     leaves."""
@@ -199,7 +194,7 @@ def _last_leaves(tree: "KDTree") -> Int[Array, " nodes"]:
 
 @eqx.filter_jit
 def self_pairs(
-    tree: "KDTree",
+    tree: AbstractSearchTree,
     r: Float[Array, ""],
     capacity: int,
     metric: Minkowski,
@@ -224,7 +219,7 @@ def self_pairs(
 
 @eqx.filter_jit
 def self_matrix(
-    tree: "KDTree", r: Float[Array, ""], capacity: int, metric: Minkowski
+    tree: AbstractSearchTree, r: Float[Array, ""], capacity: int, metric: Minkowski
 ) -> Pairs:
     """Every pair `(i, j)` of the tree's points within `r`, both ways and `i = j`
     included (the sparse distance matrix of the tree with itself), sorted: the pairs
@@ -251,7 +246,7 @@ def self_matrix(
     return Pairs(rows, cols, _distances_within(tree, rows, cols, metric), count)
 
 
-def _pairs_in_order_met(tree: "KDTree", r, capacity: int, metric: Minkowski):
+def _pairs_in_order_met(tree: AbstractSearchTree, r, capacity: int, metric: Minkowski):
     """The first `capacity` pairs `(i, j)`, `i < j`, that the leaf-by-leaf walk
     meets, unsorted, padded with `(n, n)`, and how many pairs there are (`n >= 2`)."""
     n, size = tree.n, tree.leaf_size
@@ -289,7 +284,7 @@ def _pairs_in_order_met(tree: "KDTree", r, capacity: int, metric: Minkowski):
     return rows, cols, filled.written
 
 
-def _distances_within(tree: "KDTree", rows, cols, metric: Minkowski):
+def _distances_within(tree: AbstractSearchTree, rows, cols, metric: Minkowski):
     """The distances between points `rows` and `cols` of the tree (`inf` at the
     sentinel `n`), measured axis by axis in the search coordinates, where they
     cannot overflow, and differentiable as `neighbour_distances`."""
@@ -354,7 +349,7 @@ _INT32_SAFE_TOTAL = 2.0e9
 
 @eqx.filter_jit
 def counts_within(
-    tree: "KDTree",
+    tree: AbstractSearchTree,
     x: Float[Array, "m d"],
     radii: Float[Array, " radii"],
     metric: Minkowski,

@@ -8,7 +8,8 @@ from typing import Literal
 import jax.lax as lax
 import jax.numpy as jnp
 
-from ._custom_types import Array, Float
+from .._custom_types import Array, Float
+from .._engine._metric import EUCLIDEAN
 from ._dense import solve_symmetric
 from ._local import (
     AbstractLocalFit,
@@ -17,7 +18,6 @@ from ._local import (
     monomials,
     squared_norms,
 )
-from ._metric import EUCLIDEAN
 
 
 Radial = Literal[

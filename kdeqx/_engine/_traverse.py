@@ -21,7 +21,6 @@ tuning (`kdeqx._backend.lane_count` and `step_cap`).
 
 import abc
 import math
-from typing import TYPE_CHECKING
 
 import equinox as eqx
 import jax
@@ -29,15 +28,12 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 
-from ._backend import argsort_keys, gather_clamped, lane_count, step_cap
+from .._backend import argsort_keys, gather_clamped, lane_count, step_cap
+from .._custom_types import Array, Bool, Float, Int, PyTree, UInt
+from .._floats import binary_exponent, power_of_two
+from ._base import AbstractSearchTree
 from ._bits import bitmasks, set_bit_count, WORD
-from ._custom_types import Array, Bool, Float, Int, PyTree, UInt
-from ._floats import binary_exponent, power_of_two
 from ._metric import Block, Minkowski, Query, query_axes, wrap_into_box
-
-
-if TYPE_CHECKING:
-    from ._tree import KDTree
 
 
 # A lane with no query left.
@@ -226,7 +222,7 @@ class _Steps(eqx.Module):
     integer of the index dtype for the far child passed at level `l`.
     """
 
-    tree: "KDTree"
+    tree: AbstractSearchTree
     period: Float[Array, " d"] | None
     metric: Minkowski
     prune_factor: Float[Array, ""] | None

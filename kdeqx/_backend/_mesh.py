@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from ._backend import device_per_core_options
+from . import device_per_core_options
 
 
 def _explicit_mesh(tree):

@@ -1,0 +1,1 @@
+"""Neighbour graphs: cells, radius and kNN graphs, neighbour lists."""

@@ -1,0 +1,2 @@
+"""Interpolation: the kernels, the local fits and their dense solves, and the
+trainable `Interpolator`."""

@@ -1,0 +1,1 @@
+"""The tree types and their build: `AbstractKDTree`, `KDTree`, `ShardedKDTree`."""
