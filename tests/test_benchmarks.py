@@ -1,4 +1,5 @@
-"""The GPU script runs, and its checks pass, at a small size on the CPU.
+"""The GPU script runs, and its checks pass, at a small size on the CPU; the benchmark
+tables are generated.
 
 A device is lent for minutes at a time (`benchmarks/gpu.py` is prepared to run there
 once): a script that fails there wastes the loan, so it is run here first.
@@ -35,3 +36,13 @@ def test_gpu_script_runs_and_its_answers_agree():
     assert verdicts == ["True"] * 6, output
     differences = re.findall(r"max rel diff ([0-9.e+-]+)", output)
     assert len(differences) == 1 and float(differences[0]) < 1e-10, output
+
+
+def test_benchmark_tables_are_generated_from_the_records():
+    """`benchmarks/README.md`'s table and the front page's headline are what
+    `benchmarks/table.py` writes from `benchmarks/results.jsonl`."""
+    script = pathlib.Path(__file__).parent.parent / "benchmarks" / "table.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--check"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
