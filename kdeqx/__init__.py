@@ -10,6 +10,13 @@ from ._graph._graph import (
 from ._graph._neighbor_list import NeighborList as NeighborList
 from ._interpolation._frozen import Frozen as Frozen
 from ._interpolation._interpolate import Interpolator as Interpolator
+from ._interpolation._kernels import (
+    AbstractKernel as AbstractKernel,
+    Gaussian as Gaussian,
+    IDW as IDW,
+    MLS as MLS,
+    RBF as RBF,
+)
 from ._query._convert import (
     ball_lists as ball_lists,
     distance_dict as distance_dict,

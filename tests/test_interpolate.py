@@ -170,3 +170,39 @@ def test_interpolation_errors(dtype):
         kdeqx.Interpolator(tree, np.zeros(5), kernel="cubic")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="empty tree"):
         kdeqx.KDTree(np.zeros((0, 2))).interpolate(np.zeros(2), np.zeros(0))
+
+
+_KERNEL_FORMS = [
+    (dict(kernel="idw", power=3.0), kdeqx.IDW(3.0)),
+    (dict(kernel="gaussian", length_scale=0.2), kdeqx.Gaussian(0.2)),
+    (
+        dict(kernel="rbf", rbf="gaussian", epsilon=3.0, smoothing=0.01),
+        kdeqx.RBF("gaussian", epsilon=3.0, smoothing=0.01),
+    ),
+    (dict(kernel="rbf"), kdeqx.RBF()),
+    (dict(kernel="mls", degree=2), kdeqx.MLS(2)),
+]
+
+
+@pytest.mark.parametrize("options, module", _KERNEL_FORMS, ids=lambda v: str(v)[:20])
+def test_kernel_modules_answer_as_their_names_and_keywords(options, module):
+    rng = np.random.default_rng(11)
+    points, values, x = rng.random((200, 2)), rng.random(200), rng.random((9, 2))
+    tree = kdeqx.KDTree(points)
+    by_name = tree.interpolate(x, values, k=12, **options)
+    by_module = tree.interpolate(x, values, k=12, kernel=module)
+    np.testing.assert_array_equal(by_name, by_module)
+    layer = kdeqx.Interpolator(tree, values, k=12, kernel=module)
+    np.testing.assert_allclose(layer(x), by_name, rtol=1e-5, atol=1e-6)
+    assert type(layer.kernel_module) is type(module)
+
+
+def test_options_beside_a_kernel_module_raise():
+    tree = kdeqx.KDTree(np.random.default_rng(0).random((20, 2)))
+    x, values = np.zeros((1, 2)), np.zeros(20)
+    with pytest.raises(ValueError, match="go into the kernel module"):
+        tree.interpolate(x, values, kernel=kdeqx.Gaussian(0.1), length_scale=0.2)
+    with pytest.raises(ValueError, match="power"):
+        kdeqx.IDW(-1.0)
+    with pytest.raises(ValueError, match="degree"):
+        kdeqx.MLS(3)

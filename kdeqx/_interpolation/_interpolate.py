@@ -1,126 +1,27 @@
 """Interpolation from the k nearest points: the kernels (weighted means and local
 fits), their checked parameters, and the trainable `Interpolator`."""
 
-import functools as ft
-from collections.abc import Callable
-from typing import Literal, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._custom_types import Array, ArrayLike, Bool, Float
-from .._validate import (
-    check_nonnegative_smoothing,
-    check_positive,
-    check_static_int,
-    check_values,
-)
+from .._custom_types import Array, ArrayLike, Float
+from .._validate import check_static_int, check_values
 from ._frozen import Frozen
-from ._local import AbstractLocalFit
-from ._mls import MovingLeastSquares
-from ._rbf import check_rbf, LocalRbf, needs_epsilon, Radial
+from ._kernels import AbstractKernel, as_kernel, Gaussian, IDW, KernelName, MLS, RBF
+from ._rbf import Radial
 
 
 if TYPE_CHECKING:
     from .._tree._tree import AbstractKDTree
 
 
-Kernel = Literal["idw", "gaussian", "rbf", "mls"]
+Kernel = KernelName | AbstractKernel
 
 
-# `_idw_weights`, `_gaussian_weights` and `weighted_mean` are jitted: called eagerly,
-# each is one program to compile for a new shape, not one per operation.
-
-
-@ft.partial(jax.jit, static_argnames="power")
-def _idw_weights(
-    distances: Float[Array, "*batch k"], found: Bool[Array, "*batch k"], power: float
-) -> Float[Array, "*batch k"]:
-    """Inverse-distance weights `1/d**power`, scaled by the nearest distance.
-
-    Scaling by `d_min**power` changes nothing after normalisation but keeps every
-    weight in `[0, 1]`, so tiny distances cannot overflow. A query on a data point
-    (`d = 0`) gets equal weights on the coincident points, and no NaN in any gradient.
-    """
-    nearest = distances[..., :1]
-    hit = found & (distances == 0)
-    on_data = jnp.any(hit, axis=-1, keepdims=True)
-    usable = found & ~on_data
-    ratio = jnp.where(usable, nearest, 1) / jnp.where(usable, distances, 1)
-    smooth = jnp.where(usable, ratio**power, 0)
-    return jnp.where(on_data, hit.astype(distances.dtype), smooth)
-
-
-@jax.jit
-def _gaussian_weights(
-    distances: Float[Array, "*batch k"],
-    found: Bool[Array, "*batch k"],
-    length_scale: Float[Array, ""],
-) -> Float[Array, "*batch k"]:
-    """Gaussian weights `exp(-d**2 / (2 l**2))`, shifted by the nearest (stability)."""
-    # In units of the length scale first: huge distances cannot overflow when squared.
-    scaled = jnp.where(found, distances, 0) / length_scale
-    exponent = (scaled**2 - scaled[..., :1] ** 2) / 2
-    return jnp.where(found, jnp.exp(-exponent), 0)
-
-
-Weights = Callable[[Float[Array, "*batch k"], Bool[Array, "*batch k"]], Array]
-
-
-def kernel_method(
-    kernel: Kernel,
-    *,
-    power: float,
-    length_scale,
-    rbf: Radial,
-    epsilon,
-    degree: int | None,
-    smoothing,
-    exact: bool,
-    p: float,
-    k: int,
-    n: int,
-    d: int,
-    dtype,
-) -> Weights | AbstractLocalFit:
-    """The kernel, after checking its parameters: a function of the neighbours'
-    distances and which of them exist giving their weights (`idw`, `gaussian`), or a
-    local fit (`rbf`, `mls`). `k` is the number of neighbours a query gets."""
-    if kernel == "idw":
-        if not power > 0:
-            raise ValueError(f"`power` must be > 0 for kernel='idw', got {power}.")
-        return ft.partial(_idw_weights, power=float(power))  # static
-    if kernel == "gaussian":
-        if length_scale is None:
-            raise ValueError("kernel='gaussian' needs a `length_scale`.")
-        scale = check_positive("length_scale", length_scale, dtype)
-        return ft.partial(_gaussian_weights, length_scale=scale)
-    if kernel in ("rbf", "mls") and p != 2:
-        raise ValueError(f"kernel={kernel!r} is defined for the Euclidean norm, p=2.")
-    if kernel == "rbf":
-        degree = check_rbf(rbf, degree, d, k)
-        if epsilon is None:
-            if needs_epsilon(rbf):
-                raise ValueError(f"rbf={rbf!r} needs an `epsilon` (as in scipy).")
-            epsilon = 1.0
-        return LocalRbf(
-            rbf,
-            check_positive("epsilon", epsilon, dtype),
-            check_nonnegative_smoothing(smoothing, n, dtype),
-            degree,
-            d,
-        )
-    if kernel == "mls":
-        degree = 1 if degree is None else degree
-        if degree not in (0, 1, 2):
-            raise ValueError(f"kernel='mls' takes degree 0, 1 or 2, got {degree!r}.")
-        if k < 2:
-            raise ValueError("kernel='mls' needs k >= 2 neighbours.")
-        return MovingLeastSquares(degree, d, k, bool(exact))
-    raise ValueError(
-        f"`kernel` must be 'idw', 'gaussian', 'rbf' or 'mls', got {kernel!r}."
-    )
+# Jitted: called eagerly, one program to compile for a new shape, not one per operation.
 
 
 @jax.jit
@@ -149,7 +50,8 @@ class Interpolator(eqx.Module):
     params, static = eqx.partition(model, eqx.is_inexact_array)
     ```
 
-    `model.tree` gives the tree back. For gradients with respect to the points, call
+    `model.tree` gives the tree back, `model.kernel_module` the kernel with its
+    current parameters. For gradients with respect to the points, call
     `tree.interpolate` on a tree built from them.
     """
 
@@ -159,7 +61,7 @@ class Interpolator(eqx.Module):
     log_epsilon: Float[Array, ""] | None
     smoothing: Float[Array, ""] | Float[Array, " n"]
     k: int = eqx.field(static=True)
-    kernel: Kernel = eqx.field(static=True)
+    kernel: KernelName = eqx.field(static=True)
     power: float = eqx.field(static=True)
     p: float = eqx.field(static=True)
     rbf: Radial = eqx.field(static=True)
@@ -188,16 +90,13 @@ class Interpolator(eqx.Module):
         - `values`: the field at the points, shape `(n, ...)`, rows in the order of
             the tree's points.
         - `k`: neighbours used per query (static).
-        - `kernel`, `power`, `length_scale`, `p`, `rbf`, `epsilon`, `degree`,
-            `smoothing`, `exact`: as in `kdeqx.AbstractKDTree.interpolate`, checked
-            here. `length_scale`, `epsilon` and `smoothing` become trainable leaves.
+        - `kernel`: a kernel module ([`kdeqx.IDW`][], [`kdeqx.Gaussian`][],
+            [`kdeqx.RBF`][], [`kdeqx.MLS`][]), or its name with the options below.
+        - `power`, `length_scale`, `p`, `rbf`, `epsilon`, `degree`, `smoothing`,
+            `exact`: as in `kdeqx.AbstractKDTree.interpolate`, checked here.
+            `length_scale`, `epsilon` and `smoothing` become trainable leaves.
         """
-        self.values = check_values(values, tree.n)
-        dtype = self.values.dtype
-        self.k = check_static_int("k", k, 1)
-        _, metric, _ = tree._interpolation_kernel(
-            self.k,
-            p,
+        module = as_kernel(
             kernel,
             power=power,
             length_scale=length_scale,
@@ -207,16 +106,26 @@ class Interpolator(eqx.Module):
             smoothing=smoothing,
             exact=exact,
         )
+        self.values = check_values(values, tree.n)
+        dtype = self.values.dtype
+        self.k = check_static_int("k", k, 1)
+        _, metric, _ = tree._interpolation_kernel(self.k, p, module)
         self.p = metric.p
         self.frozen_tree = Frozen(tree)
-        self.log_length_scale = _optional_log(length_scale, dtype)
-        self.log_epsilon = _optional_log(epsilon, dtype)
-        self.smoothing = jnp.asarray(smoothing, dtype)
-        self.kernel = kernel
-        self.power = float(power)
-        self.rbf = rbf
-        self.degree = degree
-        self.exact = bool(exact)
+        self.kernel, self.power, self.rbf = _kernel_name(module), 2.0, rbf
+        self.degree, self.exact = None, False
+        self.log_length_scale = self.log_epsilon = None
+        self.smoothing = jnp.zeros((), dtype)
+        if isinstance(module, IDW):
+            self.power = module.power
+        elif isinstance(module, Gaussian):
+            self.log_length_scale = _optional_log(module.length_scale, dtype)
+        elif isinstance(module, RBF):
+            self.rbf, self.degree = module.rbf, module.degree
+            self.log_epsilon = _optional_log(module.epsilon, dtype)
+            self.smoothing = jnp.asarray(module.smoothing, dtype)
+        elif isinstance(module, MLS):
+            self.degree, self.exact = module.degree, module.exact
 
     @property
     def tree(self) -> "AbstractKDTree":
@@ -231,22 +140,39 @@ class Interpolator(eqx.Module):
     def epsilon(self) -> Float[Array, ""] | None:
         return _optional_exp(self.log_epsilon)
 
+    @property
+    def kernel_module(self) -> AbstractKernel:
+        """The kernel, with the parameters as trained."""
+        if self.kernel == "idw":
+            return IDW(self.power)
+        if self.kernel == "gaussian":
+            assert self.length_scale is not None
+            return Gaussian(self.length_scale)
+        if self.kernel == "rbf":
+            return RBF(
+                self.rbf,
+                epsilon=self.epsilon,
+                degree=self.degree,
+                smoothing=jnp.maximum(self.smoothing, 0),
+            )
+        assert self.degree is not None
+        return MLS(self.degree, exact=self.exact)
+
     def __call__(self, x: ArrayLike) -> Float[Array, "..."]:
         """Interpolates at `x` of shape `(..., d)`; returns `(..., *feature)`."""
         return self.tree.interpolate(
-            x,
-            self.values,
-            k=self.k,
-            p=self.p,
-            kernel=self.kernel,
-            power=self.power,
-            length_scale=self.length_scale,
-            rbf=self.rbf,
-            epsilon=self.epsilon,
-            degree=self.degree,
-            smoothing=jnp.maximum(self.smoothing, 0),
-            exact=self.exact,
+            x, self.values, k=self.k, p=self.p, kernel=self.kernel_module
         )
+
+
+def _kernel_name(kernel: AbstractKernel) -> KernelName:
+    names: dict[type, KernelName] = {
+        IDW: "idw",
+        Gaussian: "gaussian",
+        RBF: "rbf",
+        MLS: "mls",
+    }
+    return names[type(kernel)]
 
 
 def _optional_log(value, dtype) -> Float[Array, ""] | None:

@@ -29,7 +29,7 @@ from .._custom_types import (
 from .._engine._base import AbstractSearchTree
 from .._engine._metric import check_norm, Minkowski
 from .._engine._search import rows_at
-from .._interpolation import _interpolate, _rbf
+from .._interpolation import _interpolate, _kernels, _rbf
 from .._interpolation._local import AbstractLocalFit, interpolate_locally
 from .._query import _knn, _pairs as _pairs_module, _radius
 from .._validate import (
@@ -231,7 +231,7 @@ class AbstractKDTree(eqx.Module):
         *,
         k: int = 8,
         p: int | float = 2.0,
-        kernel: _interpolate.Kernel = "idw",
+        kernel: _kernels.KernelName | _kernels.AbstractKernel = "idw",
         power: float = 2.0,
         length_scale: float | ArrayLike | None = None,
         rbf: _rbf.Radial = "thin_plate_spline",
@@ -251,7 +251,10 @@ class AbstractKDTree(eqx.Module):
         - `p`: the Minkowski norm of the distances, as in `query` (`"idw"` and
             `"gaussian"` only; the local fits are Euclidean).
         - `kernel`: how the neighbours' values are combined (see the guide
-            "Choosing an interpolation kernel"):
+            "Choosing an interpolation kernel"): a kernel module
+            ([`kdeqx.IDW`][], [`kdeqx.Gaussian`][], [`kdeqx.RBF`][],
+            [`kdeqx.MLS`][]), which holds its own options, or its name, with the
+            options as the keywords below:
             - `"idw"` (default): the mean weighted by `1/d**power`.
             - `"gaussian"`: the mean weighted by `exp(-d**2 / (2 length_scale**2))`.
             - `"rbf"`: scipy's `RBFInterpolator(points, values, neighbors=k,
@@ -292,9 +295,7 @@ class AbstractKDTree(eqx.Module):
         """
         if self.n == 0:
             raise ValueError("Cannot interpolate from an empty tree (n = 0).")
-        k, metric, method = self._interpolation_kernel(
-            k,
-            p,
+        kernel = _kernels.as_kernel(
             kernel,
             power=power,
             length_scale=length_scale,
@@ -304,6 +305,7 @@ class AbstractKDTree(eqx.Module):
             smoothing=smoothing,
             exact=exact,
         )
+        k, metric, method = self._interpolation_kernel(k, p, kernel)
         values = check_values(values, self.n)
         x = self._check_queries(x)
         if isinstance(method, AbstractLocalFit):
@@ -312,15 +314,13 @@ class AbstractKDTree(eqx.Module):
         return _interpolate.weighted_mean(method(distances, indices < self.n), rows)
 
     def _interpolation_kernel(
-        self, k: int, p: int | float, kernel: _interpolate.Kernel, **options
-    ) -> tuple[int, Minkowski, _interpolate.Weights | AbstractLocalFit]:
+        self, k: int, p: int | float, kernel: _kernels.AbstractKernel
+    ) -> tuple[int, Minkowski, _kernels.Weights | AbstractLocalFit]:
         """`(k, metric, method)` for `interpolate`: the neighbours a query gets, the
         norm, and the kernel with its options (those of `interpolate`) checked."""
         k = _findable(check_static_int("k", k, 1), self.n)
         metric = check_norm(p, 0.0)
-        method = _interpolate.kernel_method(
-            kernel, **options, p=metric.p, k=k, n=self.n, d=self.d, dtype=self.dtype
-        )
+        method = kernel.method(p=metric.p, k=k, n=self.n, d=self.d, dtype=self.dtype)
         return k, metric, method
 
     def query_ball_tree(
