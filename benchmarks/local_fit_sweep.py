@@ -3,15 +3,17 @@ jitted and eager, ten calls each, for query counts from 1 to 8,192.
 
     python benchmarks/local_fit_sweep.py [--n 20000] [--calls 10] [--eager-calls 10]
 
-Each case runs in this process; a case that hangs stops the script, so finishing is
-the result (it guards the deadlock that jaxlib's LAPACK kernels caused, see
-`kdeqx/_interpolation/_dense.py`). Prints one line per query count with the slowest
-steady call.
+Each case runs in this process (compiled programs are released after each query
+count: a process holding every one runs out of memory maps); a case that hangs stops
+the script, so finishing is the result (it guards the deadlock that jaxlib's LAPACK
+kernels caused, see `kdeqx/_interpolation/_dense.py`). Prints one line per query
+count with the slowest steady call.
 """
 
 import argparse
 import time
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,12 +32,13 @@ def main():
     parser.add_argument("--n", type=int, default=20_000)
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--eager-calls", type=int, default=10)
+    parser.add_argument("--kernels", nargs="+", default=["rbf", "mls"])
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     points = jnp.asarray(rng.random((args.n, 3)), jnp.float32)
     values = jnp.sum(points**2, 1)
     print(f"jax {jax.__version__}, {jax.default_backend()}, n = {args.n}")
-    for kernel in ("rbf", "mls"):
+    for kernel in args.kernels:
         model = kdeqx.Interpolator(kdeqx.KDTree(points), values, k=16, kernel=kernel)
 
         def value(m, x):
@@ -64,6 +67,8 @@ def main():
                 slowest[name] = max(times[1:]) if len(times) > 1 else times[0]
             row = "  ".join(f"{name} {t:.3f}s" for name, t in slowest.items())
             print(f"{kernel:3} Q = {q:5}  {row}", flush=True)
+            jax.clear_caches()
+            eqx.clear_caches()
     print("every case finished")
 
 
