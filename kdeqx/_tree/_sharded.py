@@ -114,7 +114,8 @@ class ShardedKDTree(AbstractKDTree):
     ):
         """**Arguments:**
 
-        - `points`: the data, shape `(n, d)`, finite; float32 and float64 are kept. A
+        - `points`: the data, shape `(n, d)`, finite; float32 and float64 are kept
+            (float64 where JAX has x64 enabled, as for `KDTree`). A
             `jax.Array` already sharded over `axis_name` on its first axis (with `S`
             dividing `n`) is split without ever being gathered onto one device.
         - `mesh`: a `jax.sharding.Mesh`, for example `jax.make_mesh((S,), ("shards",))`.

@@ -665,7 +665,9 @@ class KDTree(AbstractSearchTree, AbstractKDTree):
         """**Arguments:**
 
         - `points`: the data, shape `(n, d)` with `d >= 1`. float32 and float64 are
-            kept as given; integers are promoted to the default float dtype. Must be
+            kept as given, float64 where JAX has x64 enabled (with it off, JAX's
+            default, JAX holds float64 input as float32); integers are promoted to
+            the default float dtype. Must be
             finite: NaN/inf raise `ValueError` eagerly, and an `eqx.error_if` runtime
             error under `jax.jit`. `n = 0` gives an empty tree, whose queries return
             only the missing-neighbour sentinels.
