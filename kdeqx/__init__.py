@@ -2,6 +2,7 @@
 
 import importlib.metadata
 
+from ._backend import use_every_core as use_every_core
 from ._graph._graph import (
     knn_graph as knn_graph,
     NeighborGraph as NeighborGraph,

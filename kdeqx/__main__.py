@@ -8,7 +8,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ._backend import available_cores
+from ._backend import use_every_core
 from ._tree._tree import KDTree
 
 
@@ -46,7 +46,7 @@ def _one_cpu_device_per_core() -> None:
     device's intra-op threads: `benchmarks/sharded.py`). A script sets this, not a
     library."""
     try:
-        jax.config.update("jax_num_cpu_devices", available_cores())
+        use_every_core()
     except RuntimeError:  # JAX already started (the demo called from Python)
         pass
 

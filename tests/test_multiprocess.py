@@ -1,8 +1,10 @@
-"""Two JAX processes on localhost (`jax.distributed`, gloo collectives, two CPU
-devices each): a `KDTree`'s queries split over this process's devices only, so its
-answers can be read where they were asked; a `ShardedKDTree` over this process's
-devices works alongside. Both against scipy."""
+"""Process-level set-ups. Two JAX processes on localhost (`jax.distributed`, gloo
+collectives, two CPU devices each): a `KDTree`'s queries split over this process's
+devices only, so its answers can be read where they were asked; a `ShardedKDTree` over
+this process's devices works alongside; both against scipy. `kdeqx.use_every_core`
+before JAX starts, and its error after."""
 
+import os
 import socket
 import subprocess
 import sys
@@ -71,3 +73,36 @@ def test_two_processes_answer_locally():
     for process, (worker, (out, err)) in enumerate(zip(workers, outputs)):
         assert worker.returncode == 0, err[-3000:]
         assert f"PASSED {process}" in out
+
+
+_EVERY_CORE = """
+import os, sys
+import kdeqx
+import jax
+import jax.numpy as jnp
+if sys.argv[1] == "before":
+    cores = kdeqx.use_every_core()
+    assert cores == len(os.sched_getaffinity(0)) == jax.local_device_count(), cores
+else:
+    jnp.ones(2)  # JAX has started, with one CPU device
+    try:
+        kdeqx.use_every_core()
+    except RuntimeError as error:
+        assert "before JAX starts" in str(error), error
+    else:
+        assert len(os.sched_getaffinity(0)) == 1, "no error after JAX started"
+print("done")
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_use_every_core_before_jax_starts_or_says_so(when):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, "-c", _EVERY_CORE, when],
+        capture_output=True,
+        text=True,
+        env={**env, "JAX_PLATFORMS": "cpu"},
+        timeout=120,
+    )
+    assert result.returncode == 0 and "done" in result.stdout, result.stderr[-2000:]

@@ -27,6 +27,7 @@ from ._complex import (
 from ._cores import (
     available_cores as available_cores,
     device_per_core_options as device_per_core_options,
+    use_every_core as use_every_core,
 )
 from ._lanes import (
     _ACCELERATOR_FIT_BYTES as _ACCELERATOR_FIT_BYTES,

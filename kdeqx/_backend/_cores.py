@@ -7,6 +7,8 @@ spread far less (see `benchmarks/sharded.py`)."""
 
 import os
 
+import jax
+
 
 _WITHOUT_KERNEL_SPLITS = {"xla_disable_hlo_passes": "cpu-parallel-task-assigner"}
 
@@ -24,3 +26,30 @@ def available_cores() -> int:
     if sched_getaffinity is not None:
         return len(sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def use_every_core() -> int:
+    """Gives JAX one CPU device per core this process may use, over which a
+    `kdeqx.KDTree` splits its large query batches, each device walking its share with
+    its own lanes (see the guide "Scaling"). Call it once, before JAX starts: JAX
+    fixes its devices when it runs its first computation. A script or an application
+    calls it, not a library.
+
+    **Returns:**
+
+    The number of CPU devices JAX will have.
+
+    **Raises:**
+
+    `RuntimeError` where JAX has already started.
+    """
+    cores = available_cores()
+    try:
+        jax.config.update("jax_num_cpu_devices", cores)
+    except RuntimeError as error:
+        raise RuntimeError(
+            "kdeqx.use_every_core() must run before JAX starts, that is before the "
+            "first JAX computation or array: call it right after the imports. JAX "
+            f"has already started with {jax.local_device_count()} CPU device(s)."
+        ) from error
+    return cores
