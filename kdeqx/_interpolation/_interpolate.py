@@ -1,5 +1,5 @@
-"""Interpolation from the k nearest points: the kernels (weighted means and local
-fits), their checked parameters, and the trainable `Interpolator`."""
+"""Interpolation from the k nearest points: the weighted mean, and the trainable
+`Interpolator` (the kernels are in `_kernels.py`)."""
 
 from typing import TYPE_CHECKING
 
