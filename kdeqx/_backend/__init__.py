@@ -32,11 +32,13 @@ from ._cores import (
 from ._lanes import (
     _ACCELERATOR_FIT_BYTES as _ACCELERATOR_FIT_BYTES,
     ACCELERATOR_STEPS as ACCELERATOR_STEPS,
+    BlockShape as BlockShape,
     CPU_FIT_CHUNK as CPU_FIT_CHUNK,
     CPU_LANES as CPU_LANES,
     CPU_STEPS as CPU_STEPS,
     fit_chunk as fit_chunk,
     lane_count as lane_count,
+    query_block_shape as query_block_shape,
     step_cap as step_cap,
 )
 from ._pairs import (

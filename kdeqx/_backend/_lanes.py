@@ -1,5 +1,7 @@
 """Lanes: how many queries the traversal engine walks at once."""
 
+from typing import NamedTuple
+
 import jax
 
 
@@ -71,3 +73,30 @@ def step_cap(backend: str | None = None) -> int:
     reach their next leaf sooner wait there). `backend` as in `lane_count`."""
     backend = jax.default_backend() if backend is None else backend
     return CPU_STEPS if backend == "cpu" else ACCELERATOR_STEPS
+
+
+class BlockShape(NamedTuple):
+    """How the block engine (`kdeqx._engine._blocks`) cuts its work: queries per
+    block, the leaves of its first pass, the most leaves a block's frontier keeps,
+    and the leaves measured per tile."""
+
+    block_size: int
+    nearest_leaves: int
+    budget: int
+    chunk: int
+
+
+# Queries per block, first-pass leaves, frontier budget and chunk, in leaves of 16 or
+# 32 points: see `benchmarks/accelerator.py`, `--shapes`.
+_BLOCK_SHAPE = BlockShape(block_size=16, nearest_leaves=4, budget=256, chunk=16)
+
+
+def query_block_shape(leaf_size: int) -> BlockShape:
+    """The block engine's shape for leaves of `leaf_size` points: as many points per
+    tile whatever the leaves' size."""
+    shape = _BLOCK_SHAPE
+    per_leaf = max(1, leaf_size // 16)
+    chunk = max(1, shape.chunk // per_leaf)
+    nearest = max(1, shape.nearest_leaves // per_leaf)
+    budget = max(chunk, shape.budget // per_leaf // chunk * chunk)
+    return BlockShape(shape.block_size, nearest, budget, chunk)

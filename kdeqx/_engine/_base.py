@@ -13,7 +13,9 @@ class AbstractSearchTree(eqx.Module):
     """A balanced k-d tree as flat arrays in heap order (node `i` has children
     `2i + 1` and `2i + 2`): `2**depth` leaves of `leaf_size` slots holding the points
     in the tree's order, each node's box axis by axis, all in search coordinates (the
-    points times `scale`, wrapped into a periodic box where there is one)."""
+    points times `scale`, wrapped into a periodic box where there is one). `engine`
+    says how queries search it: `"walk"` (`_traverse.py`) or `"blocks"`
+    (`_blocks.py`)."""
 
     points: eqx.AbstractVar[Float[Array, "n d"]]
     leaf_points: eqx.AbstractVar[Float[Array, "slots d"]]
@@ -25,6 +27,7 @@ class AbstractSearchTree(eqx.Module):
     scale: eqx.AbstractVar[Float[Array, ""]]
     leaf_size: eqx.AbstractVar[int]
     split_queries: eqx.AbstractVar[bool]
+    engine: eqx.AbstractVar[str]
 
     @property
     def n(self) -> int:

@@ -339,3 +339,33 @@ def _bitonic_sort(keys: _Keys) -> _Keys:
         keys = _merge_bitonic(keys, block)
         block *= 2
     return keys
+
+
+# Up to this k a tile's k best are taken by rounds of minima, beyond it by a sort.
+ROUNDS_MAX_K = 16
+
+
+def smallest_pairs(
+    d2: Float[Array, " tile"], indices: Int[Array, " tile"], k: int
+) -> tuple[Float[Array, " k"], Int[Array, " k"]]:
+    """The k lexicographically smallest `(d2, index)` pairs of a tile, sorted; the
+    rest `(inf, max index)`. The real indices are distinct.
+
+    For small k by `k` rounds, each a minimum, the least index at that minimum, and
+    that entry taken out: a few elementwise passes over the tile, which a vector
+    machine runs at full width (no sort, no 64-bit keys). Beyond, by one sort.
+    """
+    empty = jnp.iinfo(indices.dtype).max
+    if k > ROUNDS_MAX_K or k >= d2.shape[0]:
+        d2, indices = lax.sort((d2, indices), num_keys=2)
+        d2 = jnp.pad(d2[:k], (0, max(0, k - d2.shape[0])), constant_values=jnp.inf)
+        indices = jnp.pad(indices[:k], (0, max(0, k - indices.shape[0])))
+        return d2, jnp.where(d2 < jnp.inf, indices, empty)
+    found_d2, found = [], []
+    for _ in range(k):
+        least = jnp.min(d2)
+        index = jnp.min(jnp.where(d2 == least, indices, empty))
+        d2 = jnp.where(indices == index, jnp.inf, d2)
+        found_d2.append(least)
+        found.append(jnp.where(least < jnp.inf, index, empty))
+    return jnp.stack(found_d2), jnp.stack(found)

@@ -28,6 +28,7 @@ from ._metric import (
     query_axes,
     wrap_into_box,
 )
+from ._blocks import walk_blocks
 from ._traverse import AbstractVisitor, far_limit, walk_many
 
 
@@ -138,10 +139,13 @@ def search(
         return in_batch(jax.vmap(lambda v: v.init())(visitors)), nowhere
     flat_x = x.reshape(-1, tree.d)
     if threshold2.ndim == 0:
-        states, _ = walk_many(tree, flat_x, make_visitor(threshold2), metric, None)
+        visitors, axis = make_visitor(threshold2), None
     else:
-        visitors = jax.vmap(make_visitor)(threshold2.ravel())
-        states, _ = walk_many(tree, flat_x, visitors, metric)
+        visitors, axis = jax.vmap(make_visitor)(threshold2.ravel()), 0
+    if tree.engine == "blocks":
+        states, _ = walk_blocks(tree, flat_x, visitors, metric, axis)
+    else:
+        states, _ = walk_many(tree, flat_x, visitors, metric, axis)
     return in_batch(states), far_queries(tree, x, metric)
 
 

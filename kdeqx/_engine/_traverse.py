@@ -54,6 +54,7 @@ class AbstractVisitor(eqx.Module):
     static field.
     """
 
+
     @abc.abstractmethod
     def init(self) -> _State:
         """The state before any point was seen."""
@@ -81,6 +82,28 @@ class AbstractVisitor(eqx.Module):
         its nearest leaf, and enters a pending subtree without asking again): its
         points must then leave the state as it is.
         """
+
+    def reach(self, state: _State) -> Float[Array, ""]:
+        """A powered distance beyond which no point changes the state (the block
+        engine prunes by it; the walk asks `should_visit`)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not say how far it reaches, so the block "
+            "engine cannot run it."
+        )
+
+    def first_points(self) -> int:
+        """How many points near each query the block engine should fold in before it
+        prunes, for visitors whose `reach` narrows as they see points (the k
+        nearest: `2 k`); `0` (default): none, the reach is fixed (a radius)."""
+        return 0
+
+    def visit_tile(
+        self, state: _State, d2: Float[Array, " tile"], indices: Int[Array, " tile"]
+    ) -> _State:
+        """`visit_leaf` for the points of several leaves at once (the block
+        engine's tiles: hundreds of points, padding slots `(inf, n)`); a visitor may
+        fold them some other way, with the same result."""
+        return self.visit_leaf(state, d2, indices)
 
     def leaves_per_visit(self, leaf_size: int) -> int:
         """How many leaves (of `leaf_size` slots) `walk_many` gathers before it
@@ -113,6 +136,9 @@ class AbstractEmitter(AbstractVisitor):
 
     def should_visit(self, state, box_d2, min_index) -> Bool[Array, ""]:
         return box_d2 <= self.r2
+
+    def reach(self, state) -> Float[Array, ""]:
+        return self.r2
 
     def visit_leaf(self, state, d2, indices) -> Int[Array, ""]:
         return state

@@ -13,6 +13,7 @@ from .._engine._merge import (
     merge_into_best,
     pairs_of_best,
     precedes_last,
+    smallest_pairs,
 )
 from .._engine._metric import Minkowski
 from .._engine._search import found_distances, search
@@ -45,6 +46,16 @@ class _KNearest(AbstractVisitor):
 
     def visit_leaf(self, state, d2, indices) -> Best:
         return merge_into_best(state, d2, indices)
+
+    def reach(self, state) -> Float[Array, ""]:
+        return pairs_of_best(state, self.bound2.dtype, self.index_dtype)[0][-1]
+
+    def first_points(self) -> int:
+        return 2 * self.k
+
+    def visit_tile(self, state, d2, indices) -> Best:
+        # The tile's k best first (a few passes over it), then one small merge.
+        return merge_into_best(state, *smallest_pairs(d2, indices, self.k))
 
 
 # Up to this k a query walks the default leaves' halves, leaves of 16, which answer

@@ -27,6 +27,9 @@ class _BallCount(AbstractVisitor):
     def should_visit(self, state, box_d2, min_index) -> Bool[Array, ""]:
         return box_d2 <= self.r2
 
+    def reach(self, state) -> Float[Array, ""]:
+        return self.r2
+
     def visit_leaf(self, state, d2, indices) -> Int[Array, ""]:
         return state + jnp.sum(d2 <= self.accept2, dtype=self.count_dtype)
 
@@ -56,6 +59,9 @@ class _BallCollect(AbstractVisitor):
 
     def should_visit(self, state, box_d2, min_index) -> Bool[Array, ""]:
         return box_d2 <= self.r2
+
+    def reach(self, state) -> Float[Array, ""]:
+        return self.r2
 
     def leaves_per_visit(self, leaf_size: int) -> int:
         # The merges cost the same for several leaves; the pruning uses no state.

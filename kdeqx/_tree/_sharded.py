@@ -14,7 +14,14 @@ from .._engine._metric import Minkowski
 from .._engine._search import rows_at
 from .._query._pairs import counts_within, no_pairs, Pairs, pairs_within
 from .._validate import as_period, index_dtype_for
-from ._tree import AbstractKDTree, check_leaf_size, check_points, KDTree
+from ._tree import (
+    AbstractKDTree,
+    check_engine,
+    check_leaf_size,
+    check_points,
+    Engine,
+    KDTree,
+)
 
 
 def _split_rows(rows: Array, num_shards: int) -> tuple[Array, Array]:
@@ -111,6 +118,7 @@ class ShardedKDTree(AbstractKDTree):
         *,
         box: None | float | ArrayLike = None,
         leaf_size: int | None = None,
+        engine: Engine = "auto",
     ):
         """**Arguments:**
 
@@ -124,6 +132,7 @@ class ShardedKDTree(AbstractKDTree):
             number of trees.
         - `box`: periodic box lengths, as for `kdeqx.KDTree`.
         - `leaf_size`: points per leaf bucket, as for `kdeqx.KDTree`.
+        - `engine`: how each device's tree is searched, as for `kdeqx.KDTree`.
         """
         if not isinstance(mesh, Mesh):
             raise TypeError(
@@ -136,9 +145,15 @@ class ShardedKDTree(AbstractKDTree):
             )
         points = check_points("points", points, traced=False)
         leaf_size = check_leaf_size(leaf_size)
+        engine = check_engine(engine)
         period = as_period(box, points.shape[1], points.dtype)
         self.shards, self.leftover = _build(
-            points, period, mesh=mesh, axis_name=axis_name, leaf_size=leaf_size
+            points,
+            period,
+            mesh=mesh,
+            axis_name=axis_name,
+            leaf_size=leaf_size,
+            engine=engine,
         )
         self.mesh = mesh
         self.axis_name = axis_name
@@ -243,20 +258,31 @@ def _build(
     mesh: Mesh,
     axis_name: str,
     leaf_size: int | None,
+    engine: str,
 ) -> tuple[KDTree | None, KDTree]:
     """The batch of local trees (sharded; `None` if `q = 0`) and the left-over tree
     (replicated)."""
     blocks, rest = _split_rows(points, mesh.shape[axis_name])
     replicate = ft.partial(jax.device_put, device=NamedSharding(mesh, PartitionSpec()))
     leftover = KDTree(
-        replicate(rest), box=period, leaf_size=leaf_size, split_queries=False
+        replicate(rest),
+        box=period,
+        leaf_size=leaf_size,
+        split_queries=False,
+        engine=engine,  # pyright: ignore[reportArgumentType]
     )
     leftover = replicate(leftover)
     if blocks.shape[1] == 0:
         return None, leftover
 
     def build_on_device(block, period):
-        local = KDTree(block[0], box=period, leaf_size=leaf_size, split_queries=False)
+        local = KDTree(
+            block[0],
+            box=period,
+            leaf_size=leaf_size,
+            split_queries=False,
+            engine=engine,  # pyright: ignore[reportArgumentType]
+        )
         return jax.tree.map(lambda a: a[None], local)
 
     sharded, replicated = PartitionSpec(axis_name), PartitionSpec()

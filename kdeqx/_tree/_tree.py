@@ -8,7 +8,7 @@ the private `_knn`, `_count`, `_collect` and `_knn_rows` methods.
 import abc
 import dataclasses
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import equinox as eqx
 import jax
@@ -46,6 +46,10 @@ from .._validate import (
     check_weights,
 )
 from ._build import build_search_arrays
+
+# How queries search a tree (see `KDTree`).
+Engine = Literal["auto", "walk", "blocks"]
+
 
 
 class AbstractKDTree(eqx.Module):
@@ -653,6 +657,7 @@ class KDTree(AbstractSearchTree, AbstractKDTree):
     scale: Float[Array, ""]
     leaf_size: int = eqx.field(static=True)
     split_queries: bool = eqx.field(static=True)
+    engine: str = eqx.field(static=True)
 
     def __init__(
         self,
@@ -661,6 +666,7 @@ class KDTree(AbstractSearchTree, AbstractKDTree):
         box: None | float | ArrayLike = None,
         leaf_size: int | None = None,
         split_queries: bool = True,
+        engine: Engine = "auto",
     ):
         """**Arguments:**
 
@@ -698,7 +704,18 @@ class KDTree(AbstractSearchTree, AbstractKDTree):
             them slower (see `benchmarks/sharded.py`). `False` keeps queries on one
             device; queries that are already split, or inside a mesh or `shard_map`
             of the caller's, are never split again.
+        - `engine`: how queries search the tree (static; the answers are the same).
+            `"walk"`: each query walks the tree on its own, nearest subtrees first,
+            many at once in one loop: the fastest on a CPU. `"blocks"`: queries go
+            in blocks along a space-filling curve, and each block measures the
+            leaves within its reach as dense tiles of distances, a few large array
+            operations: the shape of work that a TPU or GPU runs well. `"auto"`
+            (default): the walk where JAX's default backend is the CPU, blocks
+            elsewhere, decided when the tree is built. Both run on every backend.
+            `kNN`, radius counts and ball queries, and interpolation take either;
+            the pair, graph and many-radii queries walk.
         """
+        engine = check_engine(engine)
         points = check_points("points", points)
         leaf_size = check_leaf_size(leaf_size)
         halves = leaf_size is None
@@ -711,6 +728,7 @@ class KDTree(AbstractSearchTree, AbstractKDTree):
         self.period = period
         self.leaf_size = leaf_size
         self.split_queries = bool(split_queries)
+        self.engine = engine
 
     def _halves_as_leaves(self) -> "KDTree":
         """This tree one level deeper: each leaf's halves as leaves of their own (the
@@ -829,6 +847,17 @@ def check_points(
     points = as_float_array(name, points)
     check_points_shape(name, points)
     return check_finite(name, points, traced=traced)
+
+
+def check_engine(engine: Engine) -> str:
+    """`engine` as `"walk"` or `"blocks"` (`"auto"`: the walk on a CPU)."""
+    if engine not in ("auto", "walk", "blocks"):
+        raise ValueError(
+            f'`engine` must be "auto", "walk" or "blocks", got {engine!r}.'
+        )
+    if engine == "auto":
+        return "walk" if jax.default_backend() == "cpu" else "blocks"
+    return engine
 
 
 def check_leaf_size(leaf_size: int | None) -> int | None:

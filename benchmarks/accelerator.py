@@ -1,0 +1,187 @@
+"""kdeqx's block engine on an accelerator, beside exact brute force and jaxkd on the
+same chip and scipy's `cKDTree` (`workers=-1`) on the same machine's host cores.
+
+    python benchmarks/accelerator.py [--n 1e6] [--queries 1e5] [--k 8]
+        [--brute-queries 1e4] [--shapes] [--skip-jaxkd]
+
+For n uniform 3-D float32 points and then 64 tight blobs (sigma 0.01; the queries
+uniform in both): the build; kNN (first call: trace, compile and run; then the best
+of three), its answers checked against scipy's; `count_ball_point` at about 32
+neighbours against scipy's `return_length=True`; `query_ball_point` with capacity 64
+against scipy's list query; IDW with k = 8. Brute force (distance tiles and
+`lax.top_k`) is timed on `--brute-queries` queries and scaled to Q. `--shapes` also
+times kNN for a few block shapes (`kdeqx._backend.BlockShape`).
+"""
+
+import argparse
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from scipy.spatial import cKDTree
+
+import kdeqx
+from kdeqx._backend import _lanes
+
+
+def first_and_best(fn, repeats=3):
+    """Seconds of the first call, the best of `repeats` more, and the answer."""
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    first = time.perf_counter() - start
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - start)
+    return first, best, out
+
+
+def host_best(fn, repeats=3):
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, out
+
+
+@jax.jit
+def brute_knn8(points, x):
+    """Exact 8 nearest by distance tiles (differences, not the expanded square)."""
+
+    def one_chunk(xc):
+        d2 = sum((xc[:, None, j] - points[None, :, j]) ** 2 for j in range(3))
+        return jax.lax.top_k(-d2, 8)
+
+    d2, indices = jax.lax.map(one_chunk, x.reshape(-1, 200, 3))
+    return jnp.sqrt(-d2).reshape(-1, 8), indices.reshape(-1, 8)
+
+
+def blobs(rng, n, centres=64, sigma=0.01):
+    c = rng.random((centres, 3))
+    return (c[rng.integers(0, centres, n)] + sigma * rng.normal(size=(n, 3))).astype(
+        np.float32
+    )
+
+
+def check(name, d, i, sd, si):
+    d, i = np.asarray(d), np.asarray(i)
+    equal = np.mean(i == si)
+    kth = np.max(np.abs(d[:, -1] - sd[:, -1]))
+    print(f"  check {name}: indices equal {equal:.6f}, k-th distance off <= {kth:.2e}")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=float, default=1e6)
+    parser.add_argument("--queries", type=float, default=1e5)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--brute-queries", type=float, default=1e4)
+    parser.add_argument("--shapes", action="store_true")
+    parser.add_argument("--skip-jaxkd", action="store_true")
+    args = parser.parse_args()
+    n, q, k = int(args.n), int(args.queries), args.k
+    print(
+        f"device {jax.devices()[0].device_kind}, host cores {os.cpu_count()}, "
+        f"jax {jax.__version__}; n={n}, Q={q}, k={k}"
+    )
+    rng = np.random.default_rng(0)
+    queries = rng.random((q, 3)).astype(np.float32)
+    r = float((32 * 3 / (4 * np.pi * n)) ** (1 / 3))
+    for name, pts in [("uniform", rng.random((n, 3)).astype(np.float32)),
+                      ("blobs", blobs(rng, n))]:
+        print(f"\n== {name} ==")
+        t_build, ref = host_best(lambda: cKDTree(pts), repeats=1)
+        t_scipy, (sd, si) = host_best(lambda: ref.query(queries, k=k, workers=-1))
+        print(f"scipy host: build {t_build:.3f} s, kNN {t_scipy:.4f} s")
+        p_dev, x_dev = jnp.asarray(pts), jnp.asarray(queries)
+        build = jax.jit(lambda p: kdeqx.KDTree(p, engine="blocks"))
+        b_first, b_best, tree = first_and_best(lambda: build(p_dev))
+        print(f"kdeqx build: first {b_first:.2f} s, steady {b_best:.4f} s "
+              f"({b_best / t_build:.2f}x scipy's build)")
+        knn = jax.jit(lambda t, x: t.query(x, k=k))
+        first, best, (d, i) = first_and_best(lambda: knn(tree, x_dev))
+        print(f"kdeqx kNN: first {first:.2f} s, steady {best:.4f} s = "
+              f"{best / t_scipy:.2f}x scipy workers=-1")
+        check("kdeqx", d, i, sd, si)
+        if args.shapes:
+            shapes(tree, x_dev, k, t_scipy, sd, si)
+        if k == 8:
+            bq = int(args.brute_queries)
+            bf, bb, (bd, bi) = first_and_best(lambda: brute_knn8(p_dev, x_dev[:bq]), 1)
+            brute = bb * q / bq
+            print(f"brute force on chip: {brute:.3f} s for Q (scaled from {bq}), "
+                  f"kdeqx {brute / best:.1f}x faster")
+            check("brute", bd, bi, sd[:bq], si[:bq])
+        if not args.skip_jaxkd:
+            jaxkd_knn(p_dev, x_dev, k, best, sd, si)
+        t_count, sc = host_best(
+            lambda: ref.query_ball_point(queries, r, workers=-1, return_length=True))
+        count = jax.jit(lambda t, x: t.count_ball_point(x, r))
+        first, best_c, c = first_and_best(lambda: count(tree, x_dev))
+        print(f"count_ball_point r={r:.4f} (mean {sc.mean():.1f}): first {first:.2f} s, "
+              f"steady {best_c:.4f} s = {best_c / t_count:.2f}x scipy "
+              f"({t_count:.4f} s); equal {np.mean(np.asarray(c) == sc):.6f}")
+        t_lists, _ = host_best(lambda: ref.query_ball_point(queries, r, workers=-1))
+        ball = jax.jit(lambda t, x: t.query_ball_point(x, r, max_neighbors=64))
+        first, best_b, _ = first_and_best(lambda: ball(tree, x_dev))
+        print(f"query_ball_point cap 64: first {first:.2f} s, steady {best_b:.4f} s "
+              f"= {best_b / t_lists:.2f}x scipy lists ({t_lists:.4f} s)")
+        values = jnp.asarray(np.sin(pts[:, 0] * 6))
+        model = kdeqx.Interpolator(tree, values, k=8, kernel="idw")
+        idw = jax.jit(lambda m, x: m(x))
+        first, best_i, _ = first_and_best(lambda: idw(model, x_dev))
+        print(f"IDW k=8 Q={q}: first {first:.2f} s, steady {best_i:.4f} s")
+
+
+def shapes(tree, x, k, t_scipy, sd, si):
+    default = _lanes._BLOCK_SHAPE
+    for block in (8, 16, 32):
+        for budget, chunk in ((128, 16), (256, 16), (256, 32)):
+            _lanes._BLOCK_SHAPE = _lanes.BlockShape(block, 8, budget, chunk)
+            knn = jax.jit(lambda t, x: t.query(x, k=k))
+            first, best, (d, i) = first_and_best(lambda: knn(tree, x), 2)
+            equal = np.mean(np.asarray(i) == si)
+            print(f"  shape block={block} budget={budget} chunk={chunk}: first "
+                  f"{first:.2f} s, steady {best:.4f} s = {best / t_scipy:.2f}x scipy; "
+                  f"equal {equal:.6f}; blocks overflowed {overflowed(tree, x, k)}")
+    _lanes._BLOCK_SHAPE = default
+
+
+def overflowed(tree, x, k):
+    """How many query blocks outgrew the frontier budget (answered by the slow,
+    exact path)."""
+    from kdeqx._engine._blocks import walk_blocks
+    from kdeqx._engine._metric import Minkowski
+    from kdeqx._query._knn import _KNearest
+
+    @jax.jit
+    def run(tree, x):
+        halves = tree._halves_as_leaves()
+        visitor = _KNearest(k, jnp.asarray(jnp.inf, x.dtype), jnp.int32)
+        return walk_blocks(halves, x, visitor, Minkowski(2.0), None, count=True)[1]
+
+    return int(run(tree, x))
+
+
+def jaxkd_knn(p_dev, x_dev, k, best, sd, si):
+    try:
+        import jaxkd
+    except ImportError:
+        print("jaxkd not installed")
+        return
+    start = time.perf_counter()
+    tree = jax.block_until_ready(jaxkd.build_tree(p_dev))
+    built = time.perf_counter() - start
+    first, jbest, (ji, jd) = first_and_best(
+        lambda: jaxkd.query_neighbors(tree, x_dev, k=k), 1)
+    print(f"jaxkd on chip: build first {built:.2f} s, kNN first {first:.2f} s, "
+          f"steady {jbest:.4f} s; kdeqx {jbest / best:.1f}x faster")
+    check("jaxkd", jd, ji, sd, si)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,490 @@
+"""The block engine: queries taken in blocks, leaves measured as dense tiles.
+
+The walk (`_traverse.py`) moves each query on its own, one node per step, which suits
+a CPU. A vector machine pays for every sequential step and every scalar-indexed
+gather, so this engine does the same search as a few large array operations:
+
+1. The queries are sorted along a Morton curve and cut into blocks of consecutive
+   queries (`kdeqx._backend.query_block_size`), each bounded by its bounding box.
+2. For a visitor whose reach narrows as it sees points (the k nearest), a first pass
+   shows each query the points of a few leaves around the one it descends to
+   (`AbstractVisitor.first_points`): its state then bounds how far a point may be
+   and still count (`AbstractVisitor.reach`). Other visitors reach a fixed distance
+   (a radius).
+3. A second pass goes down the tree level by level with each block's frontier of at
+   most `budget` nodes, keeping every node whose box lies within the block's reach
+   (the farthest of its queries'), nearest first.
+4. The kept leaves are folded into the queries' states a chunk at a time, nearest
+   first, as `(block, chunk points)` tiles of powered distances, until a chunk's
+   nearest box lies beyond every reach in its block.
+
+Every step is exact: boxes bound their points' distances from below, and a reach
+bounds from above. A block whose frontier outgrows the budget is not cut short: it
+takes every leaf of the tree, chunk by chunk, pruned by box distance (slow, never
+wrong). The number of sequential steps depends on the tree's depth and on the chunks
+a block needs, not on the number of queries.
+"""
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+
+from .._backend import gather_clamped, query_block_shape
+from .._custom_types import Array, Bool, Float, Int, PyTree
+from ._base import AbstractSearchTree
+from ._metric import Minkowski, minimum_image
+from ._traverse import _Steps, AbstractVisitor, morton_codes
+
+
+_State = PyTree
+
+
+def walk_blocks(
+    tree: AbstractSearchTree,
+    x: Float[Array, "q d"],
+    visitors: AbstractVisitor,
+    metric: Minkowski,
+    visitor_axis: int | None = 0,
+    count: bool = False,
+) -> tuple[_State, Bool[Array, ""] | Int[Array, ""]]:
+    """`walk_many(tree, x, visitors, metric, visitor_axis)` by blocks: the same final
+    states, from dense tiles.
+
+    **Returns:** `(states, overflowed)`: the visitors' final states in the order of
+    `x`, and whether some block's frontier outgrew the budget (its answers are exact
+    all the same; the flag, or with `count=True` the number of such blocks, is for
+    benchmarks and tests).
+    """
+    steps = _Steps(tree, metric)
+    q = x.shape[0]
+    index_dtype = tree.leaf_indices.dtype
+    shape = query_block_shape(tree.leaf_size)
+    size = shape.block_size
+
+    points = jax.vmap(steps.search_point)(x)
+    codes = morton_codes(points, steps.tree.node_lo[:, 0], steps.tree.node_hi[:, 0])
+    positions = jnp.arange(q, dtype=index_dtype)
+    _, order = lax.sort((codes, positions), num_keys=1)
+    blocks = -(-q // size)
+    # Padding queries repeat the last query along the curve: they widen no box.
+    rows = jnp.concatenate([order, jnp.full(blocks * size - q, order[-1])])
+    rows = rows.reshape(blocks, size)
+    xb = points[rows]  # (blocks, size, d)
+    vb = visitors if visitor_axis is None else _rows(visitors, rows)
+    init = _states_at_init(vb, visitor_axis, (blocks, size))
+    reach = jax.vmap(jax.vmap(_reach, (visitor_axis, 0)), (visitor_axis, 0))
+
+    first_points = visitors.first_points()
+    if first_points > 0:
+        leaves = max(shape.nearest_leaves, -(-first_points // tree.leaf_size))
+        first = _first_states(steps, xb, vb, visitor_axis, init, leaves)
+        own_reach = reach(vb, first)
+    else:
+        own_reach = reach(vb, init)
+    states, overflowed = _stage(
+        steps,
+        xb,
+        vb,
+        visitor_axis,
+        init,
+        own_reach,
+        shape.budget,
+        shape.chunk,
+        exhaustive=False,
+    )
+    # The queries of blocks that overflowed again, each a block of its own, within
+    # its own reach: a curve's jump can make a block wide.
+    flat = blocks * size
+    states, again = _alone(
+        steps,
+        xb.reshape(flat, 1, -1),
+        _flat(vb, visitor_axis),
+        visitor_axis,
+        _flat(init, 0),
+        own_reach.reshape(flat, 1),
+        _flat(states, 0),
+        jnp.repeat(overflowed, size),
+        shape,
+    )
+
+    def in_input_order(s):
+        s = s.reshape(flat, *s.shape[2:])[:q]
+        return jnp.zeros_like(s).at[order].set(s, unique_indices=True)
+
+    flag = jnp.sum(overflowed) if count else jnp.any(overflowed)
+    return jax.tree.map(in_input_order, states), flag
+
+
+def _flat(tree: PyTree, axis: int | None) -> PyTree:
+    """Blocks of queries `(blocks, size, ...)` as blocks of one `(blocks * size, 1,
+    ...)` (a shared visitor, `axis=None`, as it is)."""
+    if axis is None:
+        return tree
+    return jax.tree.map(lambda a: a.reshape(-1, 1, *a.shape[2:]), tree)
+
+
+def _alone(steps, x, visitors, visitor_axis, init, reach, states, redo, shape):
+    """`states` with those where `redo` is set replaced by a search of each such
+    query alone (blocks of one), a group of them at a time."""
+    q = x.shape[0]
+    group = max(1, q // ALONE_FRACTION)
+    index_dtype = steps.tree.leaf_indices.dtype
+    _, waiting = lax.sort((~redo, jnp.arange(q, dtype=index_dtype)), num_keys=1)
+    count = jnp.sum(redo, dtype=index_dtype)
+    budget, chunk = (
+        ALONE_BUDGET_FACTOR * shape.budget,
+        ALONE_BUDGET_FACTOR * shape.chunk,
+    )
+
+    def body(carry):
+        g, states, _ = carry
+        slot = g * group + jnp.arange(group, dtype=index_dtype)
+        rows = lax.dynamic_slice_in_dim(waiting, g * group, group)
+        rows = jnp.where(slot < count, rows, 0)
+        v = visitors if visitor_axis is None else _rows(visitors, rows)
+        found, over = _stage(
+            steps,
+            x[rows],
+            v,
+            visitor_axis,
+            _rows(init, rows),
+            jnp.where((slot < count)[:, None], reach[rows], -jnp.inf),
+            budget,
+            chunk,
+            exhaustive=True,
+        )
+        keep = jnp.where(slot < count, rows, q)  # q: dropped
+        states = jax.tree.map(
+            lambda s, f: s.at[keep].set(f, mode="drop"), states, found
+        )
+        return g + 1, states, jnp.any(over)
+
+    zero = jnp.zeros((), index_dtype)
+    _, states, again = lax.while_loop(
+        lambda c: c[0] * group < count, body, (zero, states, False)
+    )
+    return states, again
+
+
+# Queries of blocks that overflowed are searched alone, `1 / ALONE_FRACTION` of all
+# queries at a time, with `ALONE_BUDGET_FACTOR` times the budget and chunk.
+ALONE_FRACTION = 64
+ALONE_BUDGET_FACTOR = 4
+
+
+def _stage(
+    steps,
+    xb,
+    vb,
+    visitor_axis,
+    init,
+    own_reach,
+    budget: int,
+    chunk: int,
+    exhaustive: bool,
+):
+    """The states of blocks of queries `xb`, from `init`, after every leaf within
+    each block's reach (the largest of its queries' `own_reach`, narrowing as the
+    states do) is folded in, `chunk` leaves at a time; and which blocks' frontiers
+    outgrew `budget`.
+
+    A block that outgrows the budget folds in the `budget` nearest leaves within
+    its reach. If its reach narrows as it sees points (the k nearest), those bound
+    it anew, and it starts again from `init` within the new reach, up to
+    `NARROWING_ROUNDS` times. A block that still outgrows the budget takes every
+    leaf, pruned by box, if `exhaustive`; if not, its states are incomplete and it
+    stays flagged (the caller searches it again).
+    """
+    tree = steps.tree
+    index_dtype = tree.leaf_indices.dtype
+    reach_of_states = jax.vmap(jax.vmap(_reach, (visitor_axis, 0)), (visitor_axis, 0))
+
+    def reach_of(states) -> Float[Array, "blocks size"]:
+        return reach_of_states(vb, states)
+
+    tiles = _Tiles(steps, xb)
+    narrows = vb.first_points() > 0
+    rounds = NARROWING_ROUNDS if narrows else 1
+
+    def one_round(reach, active, last: bool):
+        """The states of the `active` blocks after a search within `reach`, and
+        which of them outgrew the budget."""
+        reach = jnp.where(active[:, None], reach, -jnp.inf)
+        leaves, near_d2, overflowed = _descend(steps, tiles, budget, reach)
+        every_leaf = exhaustive and last
+        states = _fold_chunks(
+            tiles,
+            vb,
+            visitor_axis,
+            init,
+            reach_of,
+            reach,
+            leaves,
+            near_d2,
+            overflowed if every_leaf else None,
+            chunk,
+        )
+        return states, overflowed & active
+
+    reach = own_reach
+    everywhere = jnp.ones(reach.shape[0], bool)
+    states, overflowed = one_round(reach, everywhere, rounds == 1)
+    if rounds == 1:
+        return states, overflowed
+
+    def again(carry):
+        r, reach, states, overflowed = carry
+        narrowed = jnp.minimum(reach, reach_of(states))
+        reach = jnp.where(overflowed[:, None], narrowed, reach)
+        found, still = one_round(reach, overflowed, last=False)
+        states = jax.tree.map(
+            lambda f, s: jnp.where(_along(overflowed, s), f, s), found, states
+        )
+        return r + 1, reach, states, still
+
+    _, reach, states, overflowed = lax.while_loop(
+        lambda c: (c[0] < rounds) & jnp.any(c[3]),
+        again,
+        (jnp.ones((), index_dtype), reach, states, overflowed),
+    )
+    if exhaustive:
+        narrowed = jnp.minimum(reach, reach_of(states))
+        reach = jnp.where(overflowed[:, None], narrowed, reach)
+        found, _ = one_round(reach, overflowed, last=True)
+        states = jax.tree.map(
+            lambda f, s: jnp.where(_along(overflowed, s), f, s), found, states
+        )
+    return states, overflowed
+
+
+# How many times a block of narrowing visitors whose frontier outgrew the budget
+# starts again within the reach its nearest leaves gave it.
+NARROWING_ROUNDS = 3
+
+
+def _along(flags: Bool[Array, " blocks"], s: Array) -> Bool[Array, "..."]:
+    return flags.reshape(-1, *(1,) * (s.ndim - 1))
+
+
+def _fold_chunks(
+    tiles, vb, visitor_axis, init, reach_of, reach, leaves, near_d2, every, chunk
+):
+    """`init` with each block's listed `leaves` folded in, nearest first, `chunk`
+    at a time, until the next chunk's nearest box lies beyond the block's reach
+    (as the states narrow it). Blocks flagged in `every` (unless `None`) take every
+    leaf of the tree instead, in index order, pruned by box."""
+    budget = leaves.shape[1]
+    index_dtype = leaves.dtype
+    num_leaves = tiles.steps.tree.num_leaves
+    chunks = budget // chunk
+    all_chunks = -(-num_leaves // chunk)
+
+    def within_reach(leaves, reach):
+        """`leaves`, `-1` where no query of the block is within reach of them."""
+        near = jnp.any(tiles.leaf_box_d2(leaves) <= reach[:, :, None], axis=1)
+        return jnp.where(near, leaves, -1)
+
+    def chunk_leaves(c, reach):
+        """Each block's leaves of chunk `c` (`-1`: none), and whether it has any
+        left within reach."""
+        start = c * chunk
+        listed = lax.dynamic_slice_in_dim(
+            leaves, jnp.minimum(start, budget - chunk), chunk, axis=1
+        )
+        nearest_box = lax.dynamic_index_in_dim(
+            near_d2, jnp.minimum(start, budget - 1), axis=1, keepdims=False
+        )
+        # Listed nearest first: once a chunk's nearest is beyond every reach, so
+        # are the rest.
+        listed_left = (c < chunks) & (nearest_box <= jnp.max(reach, axis=1))
+        listed = jnp.where(listed_left[:, None], listed, -1)
+        if every is None:
+            return within_reach(listed, reach), listed_left
+        all_leaves = start + jnp.arange(chunk, dtype=index_dtype)
+        all_leaves = jnp.where(all_leaves < num_leaves, all_leaves, -1)
+        all_leaves = jnp.broadcast_to(all_leaves, listed.shape)
+        taken = jnp.where(every[:, None], all_leaves, listed)
+        left = jnp.where(every, c < all_chunks, listed_left)
+        return within_reach(taken, reach), left
+
+    def chunk_at(c, states):
+        """Chunk `c`'s leaves for each block, and whether any block has one."""
+        taken, left = chunk_leaves(c, jnp.minimum(reach, reach_of(states)))
+        return taken, jnp.any(left)
+
+    def body(carry):
+        c, states, taken, _ = carry
+        states = tiles.fold(vb, visitor_axis, states, taken)
+        return c + 1, states, *chunk_at(c + 1, states)
+
+    zero = jnp.zeros((), index_dtype)
+    _, states, _, _ = lax.while_loop(
+        lambda carry: carry[3], body, (zero, init, *chunk_at(zero, init))
+    )
+    return states
+
+
+def _reach(visitor: AbstractVisitor, state: _State) -> Float[Array, ""]:
+    return visitor.reach(state)
+
+
+def _rows(tree: PyTree, rows: Int[Array, "..."]) -> PyTree:
+    return jax.tree.map(lambda a: a[rows], tree)
+
+
+def _states_at_init(visitors, visitor_axis, shape) -> _State:
+    if visitor_axis is None:
+        return jax.tree.map(
+            lambda s: jnp.broadcast_to(s, (*shape, *s.shape)), visitors.init()
+        )
+    return jax.vmap(jax.vmap(lambda v: v.init()))(visitors)
+
+
+class _Tiles(eqx.Module):
+    """The blocks of queries, and the tiles of powered distances from them to
+    leaves."""
+
+    steps: _Steps
+    queries: Float[Array, "blocks size d"]
+
+    def __init__(self, steps: _Steps, queries):
+        self.steps = steps
+        self.queries = queries
+
+    def box_d2(self, nodes: Int[Array, "blocks m"]) -> Float[Array, "blocks size m"]:
+        """A lower bound on the powered distance from each query of each block to
+        the points of `nodes` (`inf` for `-1`), inflated by scipy's `eps` where the
+        search is approximate. Each box is gathered once for its block."""
+        steps = self.steps
+        d = self.queries.shape[-1]
+        lo, hi = (
+            [gather_clamped(a, nodes)[:, None, :] for a in axes]
+            for axes in steps.box_axes
+        )
+        x = [self.queries[:, :, j, None] for j in range(d)]
+        d2 = steps.metric.box_lower_bound((x, x), lo, hi, steps.period)
+        if steps.prune_factor is not None:
+            d2 = d2 * steps.prune_factor
+        return jnp.where(nodes[:, None, :] >= 0, d2, jnp.inf)
+
+    def leaf_box_d2(self, leaves: Int[Array, "blocks m"]):
+        nodes = jnp.where(leaves >= 0, leaves + self.steps.first_leaf, -1)
+        return self.box_d2(nodes)
+
+    def measure(self, leaves: Int[Array, "blocks m"]):
+        """The powered distances from each block's queries to the points of its
+        `leaves` (`-1`: none), `(blocks, size, m * leaf_size)`, and the points'
+        indices, `(blocks, m * leaf_size)`; padding slots are `(inf, n)`."""
+        tree = self.steps.tree
+        blocks, m = leaves.shape
+        size = tree.leaf_size
+        taken = jnp.where(leaves >= 0, leaves, 0)
+        indices = tree.leaf_indices.reshape(-1, size)[taken]
+        indices = jnp.where(leaves[..., None] >= 0, indices, tree.n)
+        indices = indices.reshape(blocks, m * size)
+        # Axis by axis, the points along the last (minor) axis of every array.
+        by_axis = tree.leaf_points.T.reshape(tree.d, -1, size)
+        diffs = []
+        for j in range(tree.d):
+            axis = by_axis[j][taken].reshape(blocks, 1, m * size)
+            diff = axis - self.queries[:, :, j, None]
+            period = self.steps.period
+            if period is not None:
+                diff = minimum_image(diff[..., None], period[j, None])[..., 0]
+            diffs.append(diff)
+        d2 = self.steps.metric.powered_of_axes(diffs)
+        d2 = jnp.where(indices[:, None, :] < tree.n, d2, jnp.inf)
+        return d2, indices
+
+    def fold(self, visitors, visitor_axis, states, leaves):
+        """The states with the points of each block's `leaves` folded in."""
+        d2, indices = self.measure(leaves)
+        per_query = jax.vmap(
+            lambda v, s, d, i: v.visit_tile(s, d, i), in_axes=(visitor_axis, 0, 0, None)
+        )
+        per_block = jax.vmap(per_query, in_axes=(visitor_axis, 0, 0, 0))
+        return per_block(visitors, states, d2, indices)
+
+
+def _first_states(steps: _Steps, xb, visitors, visitor_axis, init, leaves: int):
+    """The states after each query has seen the points of the `leaves` leaves
+    around its own (the aligned run of leaves that holds the one it descends to):
+    a first bound on its reach, from points near it.
+
+    A leaf is at least half full (the tree has the fewest leaves of `leaf_size`
+    that hold its points), so the run holds at least `k` points for `k` up to
+    half its slots.
+    """
+    tree = steps.tree
+    blocks, size, d = xb.shape
+    flat = xb.reshape(blocks * size, d)
+    own = jax.vmap(steps.descend)(flat) - steps.first_leaf
+    run = min(tree.num_leaves, _power_of_two_at_least(leaves))
+    start = (own // run * run) * tree.leaf_size
+    width = run * tree.leaf_size
+
+    def run_of(array):
+        return jax.vmap(lambda s: lax.dynamic_slice_in_dim(array, s, width))(start)
+
+    indices = run_of(tree.leaf_indices)
+    by_axis = tree.leaf_points.T
+    diffs = [run_of(by_axis[j]) - flat[:, j, None] for j in range(d)]
+    if steps.period is not None:
+        diffs = [
+            minimum_image(diff[..., None], steps.period[j, None])[..., 0]
+            for j, diff in enumerate(diffs)
+        ]
+    d2 = steps.metric.powered_of_axes(diffs)
+    d2 = jnp.where(indices < tree.n, d2, jnp.inf)
+    d2 = d2.reshape(blocks, size, width)
+    indices = indices.reshape(blocks, size, width)
+    visit = jax.vmap(
+        lambda v, s, d, i: v.visit_tile(s, d, i), in_axes=(visitor_axis, 0, 0, 0)
+    )
+    return jax.vmap(visit, in_axes=(visitor_axis, 0, 0, 0))(visitors, init, d2, indices)
+
+
+def _power_of_two_at_least(m: int) -> int:
+    return 1 << max(0, m - 1).bit_length()
+
+
+def _descend(steps: _Steps, tiles: _Tiles, width: int, reach):
+    """Each block's leaves within reach of some query of it (`reach`, one per
+    query), nearest first, by a descent from the root that keeps at most `width`
+    nodes a level (a block whose frontier would outgrow `width` is flagged).
+
+    Nodes are tested against each query, not the block's bounding box: a block
+    that a curve's jump spreads out keeps the leaves near each query, not every
+    leaf near the box.
+
+    **Returns:** `(leaves, box_d2, overflowed)`: `(blocks, width)` leaf numbers (`-1`
+    for none) and their least box distance to a query that they are within reach
+    of (`inf` for none), and the flags.
+    """
+    blocks = tiles.queries.shape[0]
+    index_dtype = steps.tree.leaf_indices.dtype
+    dtype = tiles.queries.dtype
+    frontier = jnp.full((blocks, width), -1, index_dtype).at[:, 0].set(0)
+    box_d2 = jnp.full((blocks, width), jnp.inf, dtype).at[:, 0].set(0)
+    overflowed = jnp.zeros(blocks, bool)
+
+    def level(_, carry):
+        frontier, _, overflowed = carry
+        left = jnp.where(frontier >= 0, 2 * frontier + 1, -1)
+        right = jnp.where(frontier >= 0, left + 1, -1)
+        children = jnp.concatenate([left, right], axis=1)
+        d2 = tiles.box_d2(children)
+        d2 = jnp.min(jnp.where(d2 <= reach[:, :, None], d2, jnp.inf), axis=1)
+        overflowed = overflowed | (jnp.sum(d2 < jnp.inf, axis=1) > width)
+        negated, kept = lax.top_k(-d2, width)
+        frontier = jnp.take_along_axis(children, kept, axis=1)
+        frontier = jnp.where(negated > -jnp.inf, frontier, -1)
+        return frontier, -negated, overflowed
+
+    depth = steps.depth
+    frontier, box_d2, overflowed = lax.fori_loop(
+        0, depth, level, (frontier, box_d2, overflowed)
+    )
+    leaves = jnp.where(frontier >= 0, frontier - steps.first_leaf, -1)
+    return leaves, box_d2, overflowed
