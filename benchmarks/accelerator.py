@@ -91,8 +91,10 @@ def main():
     rng = np.random.default_rng(0)
     queries = rng.random((q, 3)).astype(np.float32)
     r = float((32 * 3 / (4 * np.pi * n)) ** (1 / 3))
-    for name, pts in [("uniform", rng.random((n, 3)).astype(np.float32)),
-                      ("blobs", blobs(rng, n))]:
+    for name, pts in [
+        ("uniform", rng.random((n, 3)).astype(np.float32)),
+        ("blobs", blobs(rng, n)),
+    ]:
         print(f"\n== {name} ==")
         t_build, ref = host_best(lambda: cKDTree(pts), repeats=1)
         t_scipy, (sd, si) = host_best(lambda: ref.query(queries, k=k, workers=-1))
@@ -100,12 +102,16 @@ def main():
         p_dev, x_dev = jnp.asarray(pts), jnp.asarray(queries)
         build = jax.jit(lambda p: kdeqx.KDTree(p, engine="blocks"))
         b_first, b_best, tree = first_and_best(lambda: build(p_dev))
-        print(f"kdeqx build: first {b_first:.2f} s, steady {b_best:.4f} s "
-              f"({b_best / t_build:.2f}x scipy's build)")
+        print(
+            f"kdeqx build: first {b_first:.2f} s, steady {b_best:.4f} s "
+            f"({b_best / t_build:.2f}x scipy's build)"
+        )
         knn = jax.jit(lambda t, x: t.query(x, k=k))
         first, best, (d, i) = first_and_best(lambda: knn(tree, x_dev))
-        print(f"kdeqx kNN: first {first:.2f} s, steady {best:.4f} s = "
-              f"{best / t_scipy:.2f}x scipy workers=-1")
+        print(
+            f"kdeqx kNN: first {first:.2f} s, steady {best:.4f} s = "
+            f"{best / t_scipy:.2f}x scipy workers=-1"
+        )
         check("kdeqx", d, i, sd, si)
         if args.shapes:
             shapes(tree, x_dev, k, t_scipy, sd, si)
@@ -113,23 +119,30 @@ def main():
             bq = int(args.brute_queries)
             bf, bb, (bd, bi) = first_and_best(lambda: brute_knn8(p_dev, x_dev[:bq]), 1)
             brute = bb * q / bq
-            print(f"brute force on chip: {brute:.3f} s for Q (scaled from {bq}), "
-                  f"kdeqx {brute / best:.1f}x faster")
+            print(
+                f"brute force on chip: {brute:.3f} s for Q (scaled from {bq}), "
+                f"kdeqx {brute / best:.1f}x faster"
+            )
             check("brute", bd, bi, sd[:bq], si[:bq])
         if not args.skip_jaxkd:
             jaxkd_knn(p_dev, x_dev, k, best, sd, si)
         t_count, sc = host_best(
-            lambda: ref.query_ball_point(queries, r, workers=-1, return_length=True))
+            lambda: ref.query_ball_point(queries, r, workers=-1, return_length=True)
+        )
         count = jax.jit(lambda t, x: t.count_ball_point(x, r))
         first, best_c, c = first_and_best(lambda: count(tree, x_dev))
-        print(f"count_ball_point r={r:.4f} (mean {sc.mean():.1f}): first {first:.2f} s, "
-              f"steady {best_c:.4f} s = {best_c / t_count:.2f}x scipy "
-              f"({t_count:.4f} s); equal {np.mean(np.asarray(c) == sc):.6f}")
+        print(
+            f"count_ball_point r={r:.4f} (mean {sc.mean():.1f}): first {first:.2f} s, "
+            f"steady {best_c:.4f} s = {best_c / t_count:.2f}x scipy "
+            f"({t_count:.4f} s); equal {np.mean(np.asarray(c) == sc):.6f}"
+        )
         t_lists, _ = host_best(lambda: ref.query_ball_point(queries, r, workers=-1))
         ball = jax.jit(lambda t, x: t.query_ball_point(x, r, max_neighbors=64))
         first, best_b, _ = first_and_best(lambda: ball(tree, x_dev))
-        print(f"query_ball_point cap 64: first {first:.2f} s, steady {best_b:.4f} s "
-              f"= {best_b / t_lists:.2f}x scipy lists ({t_lists:.4f} s)")
+        print(
+            f"query_ball_point cap 64: first {first:.2f} s, steady {best_b:.4f} s "
+            f"= {best_b / t_lists:.2f}x scipy lists ({t_lists:.4f} s)"
+        )
         values = jnp.asarray(np.sin(pts[:, 0] * 6))
         model = kdeqx.Interpolator(tree, values, k=8, kernel="idw")
         idw = jax.jit(lambda m, x: m(x))
@@ -145,9 +158,11 @@ def shapes(tree, x, k, t_scipy, sd, si):
             knn = jax.jit(lambda t, x: t.query(x, k=k))
             first, best, (d, i) = first_and_best(lambda: knn(tree, x), 2)
             equal = np.mean(np.asarray(i) == si)
-            print(f"  shape block={block} budget={budget} chunk={chunk}: first "
-                  f"{first:.2f} s, steady {best:.4f} s = {best / t_scipy:.2f}x scipy; "
-                  f"equal {equal:.6f}; blocks overflowed {overflowed(tree, x, k)}")
+            print(
+                f"  shape block={block} budget={budget} chunk={chunk}: first "
+                f"{first:.2f} s, steady {best:.4f} s = {best / t_scipy:.2f}x scipy; "
+                f"equal {equal:.6f}; blocks overflowed {overflowed(tree, x, k)}"
+            )
     _lanes._BLOCK_SHAPE = default
 
 
@@ -177,9 +192,12 @@ def jaxkd_knn(p_dev, x_dev, k, best, sd, si):
     tree = jax.block_until_ready(jaxkd.build_tree(p_dev))
     built = time.perf_counter() - start
     first, jbest, (ji, jd) = first_and_best(
-        lambda: jaxkd.query_neighbors(tree, x_dev, k=k), 1)
-    print(f"jaxkd on chip: build first {built:.2f} s, kNN first {first:.2f} s, "
-          f"steady {jbest:.4f} s; kdeqx {jbest / best:.1f}x faster")
+        lambda: jaxkd.query_neighbors(tree, x_dev, k=k), 1
+    )
+    print(
+        f"jaxkd on chip: build first {built:.2f} s, kNN first {first:.2f} s, "
+        f"steady {jbest:.4f} s; kdeqx {jbest / best:.1f}x faster"
+    )
     check("jaxkd", jd, ji, sd, si)
 
 

@@ -88,7 +88,7 @@ class BlockShape(NamedTuple):
 
 # Queries per block, first-pass leaves, frontier budget and chunk, in leaves of 16 or
 # 32 points: see `benchmarks/accelerator.py`, `--shapes`.
-_BLOCK_SHAPE = BlockShape(block_size=16, nearest_leaves=4, budget=256, chunk=16)
+_BLOCK_SHAPE = BlockShape(block_size=16, nearest_leaves=32, budget=128, chunk=16)
 
 
 def query_block_shape(leaf_size: int) -> BlockShape:

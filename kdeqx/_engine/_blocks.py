@@ -25,6 +25,8 @@ wrong). The number of sequential steps depends on the tree's depth and on the ch
 a block needs, not on the number of queries.
 """
 
+import typing
+
 import equinox as eqx
 import jax
 import jax.lax as lax
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 from .._backend import gather_clamped, query_block_shape
 from .._custom_types import Array, Bool, Float, Int, PyTree
 from ._base import AbstractSearchTree
-from ._metric import Minkowski, minimum_image
+from ._metric import minimum_image, Minkowski
 from ._traverse import _Steps, AbstractVisitor, morton_codes
 
 
@@ -62,7 +64,7 @@ def walk_blocks(
     shape = query_block_shape(tree.leaf_size)
     size = shape.block_size
 
-    points = jax.vmap(steps.search_point)(x)
+    points = typing.cast(Array, jax.vmap(steps.search_point)(x))
     codes = morton_codes(points, steps.tree.node_lo[:, 0], steps.tree.node_hi[:, 0])
     positions = jnp.arange(q, dtype=index_dtype)
     _, order = lax.sort((codes, positions), num_keys=1)
@@ -70,7 +72,7 @@ def walk_blocks(
     # Padding queries repeat the last query along the curve: they widen no box.
     rows = jnp.concatenate([order, jnp.full(blocks * size - q, order[-1])])
     rows = rows.reshape(blocks, size)
-    xb = points[rows]  # (blocks, size, d)
+    xb = gather_clamped(points, rows)  # (blocks, size, d)
     vb = visitors if visitor_axis is None else _rows(visitors, rows)
     init = _states_at_init(vb, visitor_axis, (blocks, size))
     reach = jax.vmap(jax.vmap(_reach, (visitor_axis, 0)), (visitor_axis, 0))
@@ -78,7 +80,7 @@ def walk_blocks(
     first_points = visitors.first_points()
     if first_points > 0:
         leaves = max(shape.nearest_leaves, -(-first_points // tree.leaf_size))
-        first = _first_states(steps, xb, vb, visitor_axis, init, leaves)
+        first = _first_states(steps, _Tiles(steps, xb), vb, visitor_axis, init, leaves)
         own_reach = reach(vb, first)
     else:
         own_reach = reach(vb, init)
@@ -145,11 +147,11 @@ def _alone(steps, x, visitors, visitor_axis, init, reach, states, redo, shape):
         v = visitors if visitor_axis is None else _rows(visitors, rows)
         found, over = _stage(
             steps,
-            x[rows],
+            gather_clamped(x, rows),
             v,
             visitor_axis,
             _rows(init, rows),
-            jnp.where((slot < count)[:, None], reach[rows], -jnp.inf),
+            jnp.where((slot < count)[:, None], gather_clamped(reach, rows), -jnp.inf),
             budget,
             chunk,
             exhaustive=True,
@@ -330,7 +332,7 @@ def _reach(visitor: AbstractVisitor, state: _State) -> Float[Array, ""]:
 
 
 def _rows(tree: PyTree, rows: Int[Array, "..."]) -> PyTree:
-    return jax.tree.map(lambda a: a[rows], tree)
+    return jax.tree.map(lambda a: gather_clamped(a, rows), tree)
 
 
 def _states_at_init(visitors, visitor_axis, shape) -> _State:
@@ -368,6 +370,19 @@ class _Tiles(eqx.Module):
             d2 = d2 * steps.prune_factor
         return jnp.where(nodes[:, None, :] >= 0, d2, jnp.inf)
 
+    def row_box_d2(self, rows, nodes: Int[Array, "blocks m"]):
+        """`box_d2` of `nodes` whose boxes are given as rows `(lo, hi)` of `2 d`,
+        shape `(blocks, m, 2 d)`."""
+        steps = self.steps
+        d = self.queries.shape[-1]
+        lo = [rows[:, None, :, j] for j in range(d)]
+        hi = [rows[:, None, :, d + j] for j in range(d)]
+        x = [self.queries[:, :, j, None] for j in range(d)]
+        d2 = steps.metric.box_lower_bound((x, x), lo, hi, steps.period)
+        if steps.prune_factor is not None:
+            d2 = d2 * steps.prune_factor
+        return jnp.where(nodes[:, None, :] >= 0, d2, jnp.inf)
+
     def leaf_box_d2(self, leaves: Int[Array, "blocks m"]):
         nodes = jnp.where(leaves >= 0, leaves + self.steps.first_leaf, -1)
         return self.box_d2(nodes)
@@ -379,21 +394,21 @@ class _Tiles(eqx.Module):
         tree = self.steps.tree
         blocks, m = leaves.shape
         size = tree.leaf_size
-        taken = jnp.where(leaves >= 0, leaves, 0)
-        indices = tree.leaf_indices.reshape(-1, size)[taken]
+        indices = gather_clamped(tree.leaf_indices.reshape(-1, size), leaves)
         indices = jnp.where(leaves[..., None] >= 0, indices, tree.n)
         indices = indices.reshape(blocks, m * size)
-        # Axis by axis, the points along the last (minor) axis of every array.
+        # Axis by axis, the points along the last (minor) axis of every array; each
+        # leaf's points one row of a table (gathered as rows, not scalars).
         by_axis = tree.leaf_points.T.reshape(tree.d, -1, size)
         diffs = []
         for j in range(tree.d):
-            axis = by_axis[j][taken].reshape(blocks, 1, m * size)
+            axis = gather_clamped(by_axis[j], leaves).reshape(blocks, 1, m * size)
             diff = axis - self.queries[:, :, j, None]
             period = self.steps.period
             if period is not None:
                 diff = minimum_image(diff[..., None], period[j, None])[..., 0]
             diffs.append(diff)
-        d2 = self.steps.metric.powered_of_axes(diffs)
+        d2 = self.steps.metric.powered_of_axes_exactly(diffs)
         d2 = jnp.where(indices[:, None, :] < tree.n, d2, jnp.inf)
         return d2, indices
 
@@ -407,84 +422,89 @@ class _Tiles(eqx.Module):
         return per_block(visitors, states, d2, indices)
 
 
-def _first_states(steps: _Steps, xb, visitors, visitor_axis, init, leaves: int):
-    """The states after each query has seen the points of the `leaves` leaves
-    around its own (the aligned run of leaves that holds the one it descends to):
-    a first bound on its reach, from points near it.
-
-    A leaf is at least half full (the tree has the fewest leaves of `leaf_size`
-    that hold its points), so the run holds at least `k` points for `k` up to
-    half its slots.
-    """
-    tree = steps.tree
-    blocks, size, d = xb.shape
-    flat = xb.reshape(blocks * size, d)
-    own = jax.vmap(steps.descend)(flat) - steps.first_leaf
-    run = min(tree.num_leaves, _power_of_two_at_least(leaves))
-    start = (own // run * run) * tree.leaf_size
-    width = run * tree.leaf_size
-
-    def run_of(array):
-        return jax.vmap(lambda s: lax.dynamic_slice_in_dim(array, s, width))(start)
-
-    indices = run_of(tree.leaf_indices)
-    by_axis = tree.leaf_points.T
-    diffs = [run_of(by_axis[j]) - flat[:, j, None] for j in range(d)]
-    if steps.period is not None:
-        diffs = [
-            minimum_image(diff[..., None], steps.period[j, None])[..., 0]
-            for j, diff in enumerate(diffs)
-        ]
-    d2 = steps.metric.powered_of_axes(diffs)
-    d2 = jnp.where(indices < tree.n, d2, jnp.inf)
-    d2 = d2.reshape(blocks, size, width)
-    indices = indices.reshape(blocks, size, width)
-    visit = jax.vmap(
-        lambda v, s, d, i: v.visit_tile(s, d, i), in_axes=(visitor_axis, 0, 0, 0)
-    )
-    return jax.vmap(visit, in_axes=(visitor_axis, 0, 0, 0))(visitors, init, d2, indices)
+def _first_states(steps: _Steps, tiles: _Tiles, visitors, visitor_axis, init, m):
+    """The states after each block's queries have seen the points of the `m`
+    leaves nearest to some query of the block (found as `_descend` finds leaves,
+    keeping the nearest): a first bound on each query's reach, from points near
+    it."""
+    nearest, _, _ = _descend(steps, tiles, m, None)
+    return tiles.fold(visitors, visitor_axis, init, nearest)
 
 
-def _power_of_two_at_least(m: int) -> int:
-    return 1 << max(0, m - 1).bit_length()
+# The descent goes this many levels a step (the nodes `2**STRIDE` levels below a
+# node lie side by side, one row of the box table), its first step from the root
+# to a level at most `FIRST_LEVEL` deep.
+STRIDE = 3
+FIRST_LEVEL = 10
+
+
+def _schedule(depth: int, width: int) -> list[tuple[int, int]]:
+    """The descent's steps as `(levels down, nodes kept)`: from the root to the
+    leaves (level `depth`), `STRIDE` levels a step from the bottom up and the rest
+    in the first step, keeping half as many nodes a step up as below it."""
+    levels = []
+    level = depth
+    while level > FIRST_LEVEL:
+        levels.append(level)
+        level -= STRIDE
+    levels.append(level)
+    levels = levels[::-1]
+    steps, above = [], 0
+    for i, level in enumerate(levels):
+        kept = max(1, width >> (len(levels) - 1 - i))
+        steps.append((level - above, kept))
+        above = level
+    return [step for step in steps if step[0] > 0]
 
 
 def _descend(steps: _Steps, tiles: _Tiles, width: int, reach):
     """Each block's leaves within reach of some query of it (`reach`, one per
-    query), nearest first, by a descent from the root that keeps at most `width`
-    nodes a level (a block whose frontier would outgrow `width` is flagged).
+    query; `None`: keep the nearest whatever their distance), nearest first, by a
+    descent from the root in a few steps of several levels (`_schedule`) that keeps
+    at most `width` leaves (a block whose frontier outgrows what a step keeps is
+    flagged).
 
     Nodes are tested against each query, not the block's bounding box: a block
     that a curve's jump spreads out keeps the leaves near each query, not every
-    leaf near the box.
+    leaf near the box. A step gathers, for each node it keeps, the boxes of all its
+    descendants some levels down as one row.
 
     **Returns:** `(leaves, box_d2, overflowed)`: `(blocks, width)` leaf numbers (`-1`
     for none) and their least box distance to a query that they are within reach
     of (`inf` for none), and the flags.
     """
-    blocks = tiles.queries.shape[0]
-    index_dtype = steps.tree.leaf_indices.dtype
-    dtype = tiles.queries.dtype
-    frontier = jnp.full((blocks, width), -1, index_dtype).at[:, 0].set(0)
-    box_d2 = jnp.full((blocks, width), jnp.inf, dtype).at[:, 0].set(0)
-    overflowed = jnp.zeros(blocks, bool)
-
-    def level(_, carry):
-        frontier, _, overflowed = carry
-        left = jnp.where(frontier >= 0, 2 * frontier + 1, -1)
-        right = jnp.where(frontier >= 0, left + 1, -1)
-        children = jnp.concatenate([left, right], axis=1)
-        d2 = tiles.box_d2(children)
-        d2 = jnp.min(jnp.where(d2 <= reach[:, :, None], d2, jnp.inf), axis=1)
-        overflowed = overflowed | (jnp.sum(d2 < jnp.inf, axis=1) > width)
-        negated, kept = lax.top_k(-d2, width)
-        frontier = jnp.take_along_axis(children, kept, axis=1)
-        frontier = jnp.where(negated > -jnp.inf, frontier, -1)
-        return frontier, -negated, overflowed
-
+    tree = steps.tree
+    blocks, _, d = tiles.queries.shape
+    index_dtype = tree.leaf_indices.dtype
     depth = steps.depth
-    frontier, box_d2, overflowed = lax.fori_loop(
-        0, depth, level, (frontier, box_d2, overflowed)
-    )
+    # Each node's box as a row `(lo, hi)`, shifted by one so that the descendants
+    # of node `i` some levels down are rows `(i + 1) 2**s ...` of a table of
+    # `2**s` nodes a row.
+    boxes = jnp.concatenate([tree.node_lo, tree.node_hi]).T
+    boxes = jnp.pad(boxes, ((1, 0), (0, 0)))
+    frontier = jnp.zeros((blocks, 1), index_dtype)
+    overflowed = jnp.zeros(blocks, bool)
+    box_d2 = jnp.zeros((blocks, 1), tiles.queries.dtype)
+    for down, kept in _schedule(depth, width):
+        span = 2**down
+        table = boxes[: boxes.shape[0] // span * span].reshape(-1, span * 2 * d)
+        rows = gather_clamped(table, frontier + 1).reshape(blocks, -1, 2 * d)
+        children = (frontier[..., None] + 1) * span - 1 + jnp.arange(span)
+        children = jnp.where(frontier[..., None] >= 0, children, -1)
+        children = children.reshape(blocks, -1)
+        d2 = tiles.row_box_d2(rows, children)
+        if reach is None:
+            d2 = jnp.min(d2, axis=1)
+        else:
+            d2 = jnp.min(jnp.where(d2 <= reach[:, :, None], d2, jnp.inf), axis=1)
+            overflowed = overflowed | (jnp.sum(d2 < jnp.inf, axis=1) > kept)
+        kept = min(kept, children.shape[1])
+        negated, taken = lax.top_k(-d2, kept)
+        frontier = jnp.take_along_axis(children, taken, axis=1)
+        frontier = jnp.where(negated > -jnp.inf, frontier, -1)
+        box_d2 = -negated
+    pad = width - frontier.shape[1]
+    frontier = jnp.pad(frontier, ((0, 0), (0, pad)), constant_values=-1)
+    box_d2 = jnp.pad(box_d2, ((0, 0), (0, pad)), constant_values=jnp.inf)
     leaves = jnp.where(frontier >= 0, frontier - steps.first_leaf, -1)
     return leaves, box_d2, overflowed

@@ -361,11 +361,27 @@ def smallest_pairs(
         d2 = jnp.pad(d2[:k], (0, max(0, k - d2.shape[0])), constant_values=jnp.inf)
         indices = jnp.pad(indices[:k], (0, max(0, k - indices.shape[0])))
         return d2, jnp.where(d2 < jnp.inf, indices, empty)
+    # Computed once: XLA may otherwise compute the distances again inside each
+    # consumer, fused differently (a contracted multiply-add or not), and a minimum
+    # would then match no entry.
+    d2 = lax.optimization_barrier(d2)
     found_d2, found = [], []
     for _ in range(k):
-        least = jnp.min(d2)
-        index = jnp.min(jnp.where(d2 == least, indices, empty))
+        least, index = _lexicographic_min(d2, indices)
         d2 = jnp.where(indices == index, jnp.inf, d2)
         found_d2.append(least)
         found.append(jnp.where(least < jnp.inf, index, empty))
     return jnp.stack(found_d2), jnp.stack(found)
+
+
+def _lexicographic_min(d2: Float[Array, " m"], indices: Int[Array, " m"]):
+    """The least `(d2, index)` pair, by one reduction of both (no test of equality
+    with a minimum found apart)."""
+
+    def least(a, b):
+        a_first = (a[0] < b[0]) | ((a[0] == b[0]) & (a[1] < b[1]))
+        return lax.select(a_first, a[0], b[0]), lax.select(a_first, a[1], b[1])
+
+    identity = (jnp.asarray(jnp.inf, d2.dtype), jnp.iinfo(indices.dtype).max)
+    identity = (identity[0], jnp.asarray(identity[1], indices.dtype))
+    return lax.reduce((d2, indices), identity, least, (0,))

@@ -124,6 +124,25 @@ class Minkowski(eqx.Module):
             return ft.reduce(jnp.maximum, [jnp.abs(diff) for diff in diffs])
         return ft.reduce(jnp.add, [self._terms(diff) for diff in diffs])
 
+    def powered_of_axes_exactly(self, diffs: list[Float[Array, "*shape"]]):
+        """`powered_of_axes`, rounded the same wherever it is computed: the terms
+        stacked along a new leading axis and summed by one reduction, as
+        `kdeqx._backend.sum_nonnegative` sums a last axis. Summed as plain
+        additions, XLA may contract a product and an addition into one rounding in
+        some places and not in others, and the same pair of points would get two
+        distances (an exact tie would then be broken by a rounding, not by index)."""
+        if self.is_max:
+            return self.powered_of_axes(diffs)
+        terms = jnp.stack([self._terms(diff) for diff in diffs])
+        zero = jnp.zeros((), terms.dtype)
+        total, largest = lax.reduce(
+            (terms, terms),
+            (zero, zero),
+            lambda a, b: (a[0] + b[0], jnp.maximum(a[1], b[1])),
+            (0,),
+        )
+        return jnp.maximum(total, largest)
+
     def _terms(self, diff):
         if self.p == 2:
             return diff * diff

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from .._custom_types import Array, Bool, Float, Int, PyTree
 from .._floats import binary_exponent, power_of_two
 from ._base import AbstractSearchTree
+from ._blocks import walk_blocks
 from ._metric import (
     minimum_image,
     Minkowski,
@@ -28,7 +29,6 @@ from ._metric import (
     query_axes,
     wrap_into_box,
 )
-from ._blocks import walk_blocks
 from ._traverse import AbstractVisitor, far_limit, walk_many
 
 

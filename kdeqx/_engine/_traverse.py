@@ -54,7 +54,6 @@ class AbstractVisitor(eqx.Module):
     static field.
     """
 
-
     @abc.abstractmethod
     def init(self) -> _State:
         """The state before any point was seen."""

@@ -19,7 +19,6 @@ from ._tree import (
     check_engine,
     check_leaf_size,
     check_points,
-    Engine,
     KDTree,
 )
 
@@ -118,7 +117,7 @@ class ShardedKDTree(AbstractKDTree):
         *,
         box: None | float | ArrayLike = None,
         leaf_size: int | None = None,
-        engine: Engine = "auto",
+        engine: str = "auto",
     ):
         """**Arguments:**
 
@@ -145,7 +144,7 @@ class ShardedKDTree(AbstractKDTree):
             )
         points = check_points("points", points, traced=False)
         leaf_size = check_leaf_size(leaf_size)
-        engine = check_engine(engine)
+        resolved = check_engine(engine)
         period = as_period(box, points.shape[1], points.dtype)
         self.shards, self.leftover = _build(
             points,
@@ -153,7 +152,7 @@ class ShardedKDTree(AbstractKDTree):
             mesh=mesh,
             axis_name=axis_name,
             leaf_size=leaf_size,
-            engine=engine,
+            engine=resolved,
         )
         self.mesh = mesh
         self.axis_name = axis_name

@@ -8,7 +8,7 @@ the private `_knn`, `_count`, `_collect` and `_knn_rows` methods.
 import abc
 import dataclasses
 from collections.abc import Sequence
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -46,10 +46,6 @@ from .._validate import (
     check_weights,
 )
 from ._build import build_search_arrays
-
-# How queries search a tree (see `KDTree`).
-Engine = Literal["auto", "walk", "blocks"]
-
 
 
 class AbstractKDTree(eqx.Module):
@@ -666,7 +662,7 @@ class KDTree(AbstractSearchTree, AbstractKDTree):
         box: None | float | ArrayLike = None,
         leaf_size: int | None = None,
         split_queries: bool = True,
-        engine: Engine = "auto",
+        engine: str = "auto",
     ):
         """**Arguments:**
 
@@ -715,7 +711,7 @@ class KDTree(AbstractSearchTree, AbstractKDTree):
             `kNN`, radius counts and ball queries, and interpolation take either;
             the pair, graph and many-radii queries walk.
         """
-        engine = check_engine(engine)
+        resolved = check_engine(engine)
         points = check_points("points", points)
         leaf_size = check_leaf_size(leaf_size)
         halves = leaf_size is None
@@ -728,7 +724,7 @@ class KDTree(AbstractSearchTree, AbstractKDTree):
         self.period = period
         self.leaf_size = leaf_size
         self.split_queries = bool(split_queries)
-        self.engine = engine
+        self.engine = resolved
 
     def _halves_as_leaves(self) -> "KDTree":
         """This tree one level deeper: each leaf's halves as leaves of their own (the
@@ -849,7 +845,7 @@ def check_points(
     return check_finite(name, points, traced=traced)
 
 
-def check_engine(engine: Engine) -> str:
+def check_engine(engine: str) -> str:
     """`engine` as `"walk"` or `"blocks"` (`"auto"`: the walk on a CPU)."""
     if engine not in ("auto", "walk", "blocks"):
         raise ValueError(
