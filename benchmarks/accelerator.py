@@ -2,7 +2,7 @@
 same chip and scipy's `cKDTree` (`workers=-1`) on the same machine's host cores.
 
     python benchmarks/accelerator.py [--n 1e6] [--queries 1e5] [--k 8]
-        [--brute-queries 1e4] [--shapes] [--skip-jaxkd]
+        [--brute-queries 1e4] [--shapes] [--skip-jaxkd] [--walk]
 
 For n uniform 3-D float32 points and then 64 tight blobs (sigma 0.01; the queries
 uniform in both): the build; kNN (first call: trace, compile and run; then the best
@@ -82,6 +82,9 @@ def main():
     parser.add_argument("--brute-queries", type=float, default=1e4)
     parser.add_argument("--shapes", action="store_true")
     parser.add_argument("--skip-jaxkd", action="store_true")
+    parser.add_argument(
+        "--walk", action="store_true", help="also time kNN with the walk engine"
+    )
     args = parser.parse_args()
     n, q, k = int(args.n), int(args.queries), args.k
     print(
@@ -113,6 +116,13 @@ def main():
             f"{best / t_scipy:.2f}x scipy workers=-1"
         )
         check("kdeqx", d, i, sd, si)
+        if args.walk:
+            walk_tree = kdeqx.KDTree(p_dev, engine="walk")
+            wf, wb, _ = first_and_best(lambda: knn(walk_tree, x_dev))
+            print(
+                f"kdeqx kNN, walk engine: first {wf:.2f} s, steady {wb:.4f} s = "
+                f"{wb / t_scipy:.2f}x scipy; blocks/walk {best / wb:.2f}"
+            )
         if args.shapes:
             shapes(tree, x_dev, k, t_scipy, sd, si)
         if k == 8:
@@ -153,8 +163,8 @@ def main():
 def shapes(tree, x, k, t_scipy, sd, si):
     default = _lanes._BLOCK_SHAPE
     for block in (8, 16, 32):
-        for budget, chunk in ((128, 16), (256, 16), (256, 32)):
-            _lanes._BLOCK_SHAPE = _lanes.BlockShape(block, 8, budget, chunk)
+        for nearest, budget, chunk in ((32, 128, 16), (16, 128, 16), (32, 256, 32)):
+            _lanes._BLOCK_SHAPE = _lanes.BlockShape(block, nearest, budget, chunk)
             knn = jax.jit(lambda t, x: t.query(x, k=k))
             first, best, (d, i) = first_and_best(lambda: knn(tree, x), 2)
             equal = np.mean(np.asarray(i) == si)

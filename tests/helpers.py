@@ -174,3 +174,19 @@ def x64(enabled: bool):
 
 def x64_off():
     return x64(False)
+
+
+def queries_around(rng, points, dataset, m, dtype):
+    """`m` queries in and around the points' box (lattice queries for the lattice),
+    the first eight exactly at data points."""
+    if dataset == "lattice":
+        return lattice_queries(rng, m, points.shape[1]).astype(dtype)
+    span = points.max(0) - points.min(0) + 0.1
+    x = (points.min(0) - 0.05 + span * rng.random((m, points.shape[1]))).astype(dtype)
+    x[:8] = points[:8]  # queries exactly at data points: zero distances
+    return x
+
+
+def ulp(dtype) -> float:
+    """The spacing of floats at 1 in `dtype`."""
+    return float(np.finfo(dtype).eps)

@@ -1,0 +1,90 @@
+"""The block engine's radius queries, interpolation, vmapped trees and fallbacks on
+the CPU, against scipy and the walk (its kNN: `test_blocks.py`)."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.spatial import cKDTree
+
+import kdeqx
+from kdeqx._backend import _lanes
+from kdeqx._engine._blocks import walk_blocks
+from kdeqx._engine._metric import Minkowski
+from kdeqx._query._knn import _KNearest
+
+from .helpers import DATASETS, queries_around, ulp
+
+
+@pytest.mark.parametrize("dataset", ["uniform", "clustered", "duplicates"])
+def test_radius_queries_match_scipy_and_the_walk(dataset):
+    rng = np.random.default_rng(4)
+    points = DATASETS[dataset](rng, 1000, 3).astype(np.float32)
+    x = queries_around(rng, points, dataset, 150, np.float32)
+    r = (rng.random(150) * 0.3).astype(np.float32)
+    tree = kdeqx.KDTree(points, engine="blocks")
+    walk = kdeqx.KDTree(points, engine="walk")
+    counts = tree.count_ball_point(x, r)
+    reference = cKDTree(points).query_ball_point(x, r, return_length=True)
+    np.testing.assert_array_equal(counts, reference)
+    for capacity in (8, 64):
+        got = tree.query_ball_point(x, r, max_neighbors=capacity)
+        walked = walk.query_ball_point(x, r, max_neighbors=capacity)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(walked), strict=True):
+            if jnp.issubdtype(a.dtype, jnp.floating):  # summed in another order
+                np.testing.assert_allclose(a, b, rtol=4 * ulp(np.float32))
+            else:
+                np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kernel", ["idw", "gaussian"])
+def test_interpolation_and_gradients_equal_the_walk(kernel):
+    rng = np.random.default_rng(6)
+    points = rng.random((600, 3)).astype(np.float32)
+    values = np.sin(3 * points[:, 0]).astype(np.float32)
+    x = jnp.asarray(rng.random((80, 3)).astype(np.float32))
+    answers = []
+    for engine in ("walk", "blocks"):
+        tree = kdeqx.KDTree(points, engine=engine)
+        extra = {"length_scale": 0.1} if kernel == "gaussian" else {}
+        model = kdeqx.Interpolator(tree, values, k=8, kernel=kernel, **extra)
+        value = eqx.filter_jit(lambda m, x: m(x))(model, x)
+        grad = eqx.filter_jit(jax.grad(lambda x, m: m(x).sum()))(x, model)
+        answers.append((value, grad))
+    np.testing.assert_allclose(answers[0][0], answers[1][0], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(answers[0][1], answers[1][1], rtol=1e-5, atol=1e-6)
+
+
+def test_vmap_over_trees():
+    rng = np.random.default_rng(7)
+    points = rng.random((3, 300, 2)).astype(np.float32)
+    x = rng.random((3, 40, 2)).astype(np.float32)
+    trees = jax.vmap(lambda p: kdeqx.KDTree(p, engine="blocks"))(points)
+    _, indices = jax.vmap(lambda t, x: t.query(x, k=4))(trees, x)
+    for b in range(3):
+        np.testing.assert_array_equal(indices[b], cKDTree(points[b]).query(x[b], 4)[1])
+
+
+@pytest.mark.parametrize(
+    "dataset, shape", [("uniform", (4, 2, 4, 2)), ("clustered", (8, 1, 2, 1))]
+)
+def test_tiny_budgets_take_every_fallback_and_stay_exact(monkeypatch, dataset, shape):
+    """Budgets far too small: blocks overflow, narrow their reach in rounds, are
+    searched query by query, and those take every leaf; the answers stay exact."""
+    monkeypatch.setattr(_lanes, "_BLOCK_SHAPE", _lanes.BlockShape(*shape))
+    rng = np.random.default_rng(8)
+    points = DATASETS[dataset](rng, 600, 3).astype(np.float32)
+    x = rng.random((90, 3)).astype(np.float32)
+    tree = kdeqx.KDTree(points, leaf_size=8, engine="blocks")
+    walk = kdeqx.KDTree(points, leaf_size=8, engine="walk")
+    metric = Minkowski(2.0)
+    visitor = _KNearest(6, jnp.asarray(jnp.inf, jnp.float32), np.dtype(np.int32))
+    run = jax.jit(lambda t, x: walk_blocks(t, x, visitor, metric, None, count=True))
+    _, overflowed = run(tree, x)
+    assert overflowed > 0  # the fallbacks did run
+    # Fresh programs: the shape is read when a query is traced.
+    knn = jax.jit(lambda t, x: t.query(x, k=6))
+    count = jax.jit(lambda t, x: t.count_ball_point(x, 0.2))
+    np.testing.assert_array_equal(knn(tree, x)[1], knn(walk, x)[1])
+    np.testing.assert_array_equal(count(tree, x), count(walk, x))
