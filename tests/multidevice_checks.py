@@ -222,6 +222,30 @@ def test_sharded_tree():
         print(f"{name} k={k}: kNN, interpolation and counts equal")
 
 
+def test_sharded_blocks_engine():
+    """A `ShardedKDTree` whose devices search with the block engine answers as one
+    tree that walks: kNN (lattice ties, bounds) and radius counts."""
+    import kdeqx
+    from kdeqx._tree._sharded import ShardedKDTree
+
+    _, tree, points, x, rng = _case("f32-lattice")
+    mesh = jax.make_mesh((NUM_DEVICES,), ("shards",))
+    sharded = ShardedKDTree(points, mesh, engine="blocks")
+    assert sharded.leftover.engine == "blocks"
+    bounds = np.round(2.0 * rng.random(len(x)), 1).astype(x.dtype)
+    radii = np.round(2.0 * rng.random(len(x)), 1).astype(x.dtype)
+    ours, ref = (
+        (
+            t.query(x, k=8, distance_upper_bound=bounds),
+            t.count_ball_point(x, radii),
+        )
+        for t in (sharded, tree)
+    )
+    _assert_same(ours, ref)
+    assert isinstance(tree, kdeqx.KDTree) and tree.engine == "walk"
+    print("blocks engine on every device: kNN and counts equal")
+
+
 def test_sharded_communication():
     """Only candidates (and unsplit queries) travel; points never do."""
     from jax.sharding import NamedSharding, PartitionSpec as P

@@ -59,6 +59,7 @@ def assert_passed(result: subprocess.CompletedProcess, name: str) -> None:
 # worker runs them alongside these.
 SHARDED_TREE_CHECKS = (
     "sharded_tree",
+    "sharded_blocks_engine",
     "sharded_communication",
     "sharded_ball_and_interpolator",
     "sharded_pairs",
@@ -181,6 +182,11 @@ def test_one_device_ball_query_and_interpolator_match_one_tree():
 @pytest.mark.multidevice
 def test_sharded_tree_matches_one_tree(shared_checks):
     assert_passed(shared_checks, "sharded_tree")
+
+
+@pytest.mark.multidevice
+def test_sharded_tree_with_the_block_engine_matches_one_tree(shared_checks):
+    assert_passed(shared_checks, "sharded_blocks_engine")
 
 
 @pytest.mark.multidevice
