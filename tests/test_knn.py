@@ -246,3 +246,16 @@ def test_k_far_beyond_n_costs_what_k_equal_n_costs():
 
     # The same search as k = n, then sentinels appended: a few equations more.
     assert program_size(10**5) <= program_size(40) + 10
+
+
+def test_scipys_names_for_leaf_size_and_box():
+    rng = np.random.default_rng(11)
+    points, x = rng.random((500, 3)), rng.random((60, 3))
+    ours = kdeqx.KDTree(points, leafsize=8, boxsize=1.0)
+    assert ours.leaf_size == 8
+    reference = cKDTree(points, leafsize=8, boxsize=1.0).query(x, 4)
+    np.testing.assert_array_equal(ours.query(x, k=4)[1], reference[1])
+    with pytest.raises(TypeError, match="leafsize"):
+        kdeqx.KDTree(points, leaf_size=8, leafsize=8)
+    with pytest.raises(TypeError, match="boxsize"):
+        kdeqx.KDTree(points, box=1.0, boxsize=1.0)

@@ -20,6 +20,7 @@ from ._tree import (
     check_leaf_size,
     check_points,
     KDTree,
+    scipy_alias,
 )
 
 
@@ -118,6 +119,8 @@ class ShardedKDTree(AbstractKDTree):
         box: None | float | ArrayLike = None,
         leaf_size: int | None = None,
         engine: str = "auto",
+        leafsize: int | None = None,
+        boxsize: None | float | ArrayLike = None,
     ):
         """**Arguments:**
 
@@ -132,7 +135,11 @@ class ShardedKDTree(AbstractKDTree):
         - `box`: periodic box lengths, as for `kdeqx.KDTree`.
         - `leaf_size`: points per leaf bucket, as for `kdeqx.KDTree`.
         - `engine`: how each device's tree is searched, as for `kdeqx.KDTree`.
+        - `leafsize`, `boxsize`: scipy's names for `leaf_size` and `box`, as for
+            `kdeqx.KDTree`.
         """
+        leaf_size = scipy_alias("leaf_size", leaf_size, "leafsize", leafsize)
+        box = scipy_alias("box", box, "boxsize", boxsize)
         if not isinstance(mesh, Mesh):
             raise TypeError(
                 f"`mesh` must be a `jax.sharding.Mesh`, got {type(mesh).__name__}."

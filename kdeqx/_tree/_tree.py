@@ -663,6 +663,8 @@ class KDTree(AbstractSearchTree, AbstractKDTree):
         leaf_size: int | None = None,
         split_queries: bool = True,
         engine: str = "auto",
+        leafsize: int | None = None,
+        boxsize: None | float | ArrayLike = None,
     ):
         """**Arguments:**
 
@@ -710,7 +712,11 @@ class KDTree(AbstractSearchTree, AbstractKDTree):
             elsewhere, decided when the tree is built. Both run on every backend.
             `kNN`, radius counts and ball queries, and interpolation take either;
             the pair, graph and many-radii queries walk.
+        - `leafsize`, `boxsize`: scipy's names for `leaf_size` and `box`, for scripts
+            written for `scipy.spatial.cKDTree` (giving both names raises).
         """
+        leaf_size = scipy_alias("leaf_size", leaf_size, "leafsize", leafsize)
+        box = scipy_alias("box", box, "boxsize", boxsize)
         resolved = check_engine(engine)
         points = check_points("points", points)
         leaf_size = check_leaf_size(leaf_size)
@@ -843,6 +849,18 @@ def check_points(
     points = as_float_array(name, points)
     check_points_shape(name, points)
     return check_finite(name, points, traced=traced)
+
+
+def scipy_alias(name: str, value, scipy_name: str, scipy_value):
+    """The value of an argument that may also be given by scipy's name for it."""
+    if scipy_value is None:
+        return value
+    if value is not None:
+        raise TypeError(
+            f"`{name}` and `{scipy_name}` (scipy's name for it) were both given; "
+            "give one."
+        )
+    return scipy_value
 
 
 def check_engine(engine: str) -> str:
