@@ -209,12 +209,11 @@ def _stage(
     narrows = vb.first_points() > 0
     rounds = NARROWING_ROUNDS if narrows else 1
 
-    def one_round(reach, active, last: bool):
+    def one_round(reach, active, last):
         """The states of the `active` blocks after a search within `reach`, and
-        which of them outgrew the budget."""
+        which of them outgrew the budget (those take every leaf if `last`)."""
         reach = jnp.where(active[:, None], reach, -jnp.inf)
         leaves, near_d2, overflowed = _descend(steps, tiles, budget, reach)
-        every_leaf = exhaustive and last
         states = _fold_chunks(
             tiles,
             vb,
@@ -224,39 +223,31 @@ def _stage(
             reach,
             leaves,
             near_d2,
-            overflowed if every_leaf else None,
+            overflowed & last if exhaustive else None,
             chunk,
         )
         return states, overflowed & active
 
-    reach = own_reach
-    everywhere = jnp.ones(reach.shape[0], bool)
-    states, overflowed = one_round(reach, everywhere, rounds == 1)
-    if rounds == 1:
-        return states, overflowed
+    # Every round is one trace of the loop's body: each descent is a few top-k
+    # selections, which are slow to compile on a TPU.
+    total = rounds + 1 if exhaustive else rounds
 
     def again(carry):
-        r, reach, states, overflowed = carry
+        r, reach, states, active = carry
         narrowed = jnp.minimum(reach, reach_of(states))
-        reach = jnp.where(overflowed[:, None], narrowed, reach)
-        found, still = one_round(reach, overflowed, last=False)
+        reach = jnp.where(active[:, None] & (r > 0), narrowed, reach)
+        found, still = one_round(reach, active, r == total - 1)
         states = jax.tree.map(
-            lambda f, s: jnp.where(_along(overflowed, s), f, s), found, states
+            lambda f, s: jnp.where(_along(active, s), f, s), found, states
         )
         return r + 1, reach, states, still
 
-    _, reach, states, overflowed = lax.while_loop(
-        lambda c: (c[0] < rounds) & jnp.any(c[3]),
+    everywhere = jnp.ones(own_reach.shape[0], bool)
+    _, _, states, overflowed = lax.while_loop(
+        lambda c: (c[0] < total) & jnp.any(c[3]),
         again,
-        (jnp.ones((), index_dtype), reach, states, overflowed),
+        (jnp.zeros((), index_dtype), own_reach, init, everywhere),
     )
-    if exhaustive:
-        narrowed = jnp.minimum(reach, reach_of(states))
-        reach = jnp.where(overflowed[:, None], narrowed, reach)
-        found, _ = one_round(reach, overflowed, last=True)
-        states = jax.tree.map(
-            lambda f, s: jnp.where(_along(overflowed, s), f, s), found, states
-        )
     return states, overflowed
 
 
