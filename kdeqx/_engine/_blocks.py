@@ -98,7 +98,7 @@ def walk_blocks(
     # The queries of blocks that overflowed again, each a block of its own, within
     # its own reach: a curve's jump can make a block wide.
     flat = blocks * size
-    states, again = _alone(
+    states = _alone(
         steps,
         xb.reshape(flat, 1, -1),
         _flat(vb, visitor_axis),
@@ -140,12 +140,12 @@ def _alone(steps, x, visitors, visitor_axis, init, reach, states, redo, shape):
     )
 
     def body(carry):
-        g, states, _ = carry
+        g, states = carry
         slot = g * group + jnp.arange(group, dtype=index_dtype)
         rows = lax.dynamic_slice_in_dim(waiting, g * group, group)
         rows = jnp.where(slot < count, rows, 0)
         v = visitors if visitor_axis is None else _rows(visitors, rows)
-        found, over = _stage(
+        found, _ = _stage(
             steps,
             gather_clamped(x, rows),
             v,
@@ -160,13 +160,11 @@ def _alone(steps, x, visitors, visitor_axis, init, reach, states, redo, shape):
         states = jax.tree.map(
             lambda s, f: s.at[keep].set(f, mode="drop"), states, found
         )
-        return g + 1, states, jnp.any(over)
+        return g + 1, states
 
     zero = jnp.zeros((), index_dtype)
-    _, states, again = lax.while_loop(
-        lambda c: c[0] * group < count, body, (zero, states, False)
-    )
-    return states, again
+    _, states = lax.while_loop(lambda c: c[0] * group < count, body, (zero, states))
+    return states
 
 
 # Queries of blocks that overflowed are searched alone, `1 / ALONE_FRACTION` of all
@@ -349,26 +347,24 @@ class _Tiles(eqx.Module):
         """A lower bound on the powered distance from each query of each block to
         the points of `nodes` (`inf` for `-1`), inflated by scipy's `eps` where the
         search is approximate. Each box is gathered once for its block."""
-        steps = self.steps
-        d = self.queries.shape[-1]
         lo, hi = (
-            [gather_clamped(a, nodes)[:, None, :] for a in axes]
-            for axes in steps.box_axes
+            [gather_clamped(a, nodes) for a in axes] for axes in self.steps.box_axes
         )
-        x = [self.queries[:, :, j, None] for j in range(d)]
-        d2 = steps.metric.box_lower_bound((x, x), lo, hi, steps.period)
-        if steps.prune_factor is not None:
-            d2 = d2 * steps.prune_factor
-        return jnp.where(nodes[:, None, :] >= 0, d2, jnp.inf)
+        return self._axes_box_d2(lo, hi, nodes)
 
     def row_box_d2(self, rows, nodes: Int[Array, "blocks m"]):
         """`box_d2` of `nodes` whose boxes are given as rows `(lo, hi)` of `2 d`,
         shape `(blocks, m, 2 d)`."""
-        steps = self.steps
         d = self.queries.shape[-1]
-        lo = [rows[:, None, :, j] for j in range(d)]
-        hi = [rows[:, None, :, d + j] for j in range(d)]
-        x = [self.queries[:, :, j, None] for j in range(d)]
+        lo = [rows[..., j] for j in range(d)]
+        hi = [rows[..., d + j] for j in range(d)]
+        return self._axes_box_d2(lo, hi, nodes)
+
+    def _axes_box_d2(self, lo: list, hi: list, nodes):
+        """`box_d2` of `nodes` whose boxes are given axis by axis, `(blocks, m)`."""
+        steps = self.steps
+        x = [self.queries[:, :, j, None] for j in range(self.queries.shape[-1])]
+        lo, hi = ([a[:, None, :] for a in bounds] for bounds in (lo, hi))
         d2 = steps.metric.box_lower_bound((x, x), lo, hi, steps.period)
         if steps.prune_factor is not None:
             d2 = d2 * steps.prune_factor
