@@ -16,7 +16,7 @@ def as_float_array(name: str, value: ArrayLike, dtype=None) -> Array:
     Integers are promoted to the default float dtype (or `dtype` when given); complex
     and boolean data have no meaning as coordinates and raise `TypeError`.
     """
-    array = jnp.asarray(value)
+    array = to_device(value)
     if jnp.issubdtype(array.dtype, jnp.bool_):
         raise TypeError(f"`{name}` must be real numbers, got a boolean array.")
     if jnp.issubdtype(array.dtype, jnp.complexfloating):
@@ -29,6 +29,14 @@ def as_float_array(name: str, value: ArrayLike, dtype=None) -> Array:
     if not jnp.issubdtype(array.dtype, jnp.floating):
         return array.astype(jnp.result_type(float))
     return array
+
+
+def to_device(value: ArrayLike) -> Array:
+    """`value` as a JAX array. Data from the host is put on the device as it is:
+    `jnp.asarray` would compile a copying program for each new shape."""
+    if isinstance(value, jax.Array):
+        return value
+    return jax.device_put(np.asarray(value))
 
 
 def is_concrete(array: Array) -> bool:

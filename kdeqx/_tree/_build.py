@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._backend import argsort_keys, float32_sort_keys, move_rows, move_rows_in_place
-from .._custom_types import Array, Float
+from .._backend._buckets import pad_rows
+from .._custom_types import Array, Float, Int
 from .._engine._metric import wrap_into_box
 from .._floats import power_of_two
 from .._validate import index_dtype_for
@@ -286,7 +287,6 @@ def _order_dtype(slots: int, index_dtype):
     return jnp.uint32 if slots <= np.iinfo(np.uint32).max else index_dtype
 
 
-@ft.partial(jax.jit, static_argnames=("leaf_size", "halves"))
 def build_search_arrays(
     points: Float[Array, "n d"], leaf_size: int, period, halves: bool = False
 ):
@@ -297,20 +297,41 @@ def build_search_arrays(
     sorted along its widest dimension, so that its first and second `leaf_size // 2`
     slots are its halves, the nodes of one more level of median splits (of which
     only the slots' order is kept, not the other dimensions' orders).
+
+    The program depends on `n` only through the positions that the levels partition
+    (`_positions_with_points`): the points are padded to those, and `n` is traced, so
+    that every `n` with the same positions (a sixteenth of the slots) shares one
+    compiled build.
     """
     n, _ = points.shape
-    depth = _tree_depth(n, leaf_size)
+    positions = _positions_with_points(n, _tree_depth(n, leaf_size), leaf_size)
+    padded = pad_rows(points, positions, fill="zeros")
+    count = jnp.asarray(n, index_dtype_for(leaf_size << _tree_depth(n, leaf_size)))
+    return _build_search_arrays(padded, count, leaf_size, period, halves)
+
+
+@ft.partial(jax.jit, static_argnames=("leaf_size", "halves"))
+def _build_search_arrays(
+    points: Float[Array, "positions d"],
+    n: Int[Array, ""],
+    leaf_size: int,
+    period,
+    halves: bool,
+):
+    """`build_search_arrays` on the points padded to `positions` rows, of which the
+    first `n` are points."""
+    positions, _ = points.shape
+    depth = _tree_depth(positions, leaf_size)
     slots = leaf_size << depth
     index_dtype = index_dtype_for(slots)
 
-    coords = wrap_into_box(lax.stop_gradient(points), period)
-    scale = _search_scale(coords)
-    coords = coords * scale
-    coords = jnp.pad(coords, ((0, slots - n), (0, 0)))
     valid = jnp.arange(slots) < n
+    coords = wrap_into_box(lax.stop_gradient(points), period)
+    scale = _search_scale(coords)  # the padding, zeros, changes no largest value
+    coords = coords * scale
+    coords = jnp.pad(coords, ((0, slots - positions), (0, 0)))
     # Only the positions that can hold points are sorted and partitioned (at n = 6e5,
     # 62.5 % of the 2^20 slots): the rest keep their own slots.
-    positions = _positions_with_points(n, depth, leaf_size)
     orders = _sorted_orders(coords, valid, positions, _order_dtype(slots, index_dtype))
     if depth > 0:
         split = ft.partial(
@@ -345,7 +366,7 @@ def build_search_arrays(
     return leaf_points, leaf_indices, lo, hi, min_index, scale
 
 
-def _halved(orders, coords, *, n: int, depth: int, leaf_size: int):
+def _halved(orders, coords, *, n: Int[Array, ""], depth: int, leaf_size: int):
     """Each leaf's slots sorted along its widest dimension (the padding last): its
     first and second halves are the leaves that one more level of splits would
     make. The other dimensions' orders, which a level keeps for the levels below,

@@ -15,6 +15,7 @@ import jax
 import jax.experimental.sparse
 import jax.numpy as jnp
 
+from .._backend._buckets import queries_in_buckets
 from .._backend._mesh import split_like_queries
 from .._custom_types import (
     Array,
@@ -85,6 +86,7 @@ class AbstractKDTree(eqx.Module):
     def dtype(self) -> jnp.dtype:
         """The points' floating dtype, in which queries are answered."""
 
+    @queries_in_buckets("distance_upper_bound")
     def query(
         self,
         x: ArrayLike,
@@ -142,6 +144,7 @@ class AbstractKDTree(eqx.Module):
         columns = jnp.asarray(ranks) - 1
         return distances[..., columns], indices[..., columns]
 
+    @queries_in_buckets("r")
     def count_ball_point(
         self,
         x: ArrayLike,
@@ -173,6 +176,7 @@ class AbstractKDTree(eqx.Module):
         x = self._check_queries(x)
         return self._count(x, check_radius(r, x.shape[:-1], x.dtype), metric)
 
+    @queries_in_buckets("r")
     def query_ball_point(
         self,
         x: ArrayLike,
@@ -224,6 +228,7 @@ class AbstractKDTree(eqx.Module):
             )
         return distances, indices, counts
 
+    @queries_in_buckets()
     def interpolate(
         self,
         x: ArrayLike,

@@ -1,0 +1,128 @@
+"""Size buckets: eager calls of nearby sizes share one compiled program.
+
+JAX compiles a program for every new shape. Called outside any trace, a query pads
+its batch of queries to the next bucket (`2**j` or `3 * 2**(j - 1)` rows, as jaxknn
+does: at most a third of the rows are padding) and returns the first rows of the
+answer, so that a script whose batch sizes vary compiles once per bucket. The padding
+and the slicing happen in NumPy where the arrays live on the host, and so compile
+nothing themselves; elsewhere they are two small `jax.numpy` operations.
+"""
+
+import functools as ft
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.core
+import jax.numpy as jnp
+import numpy as np
+
+from ._compile import outside_any_trace
+
+
+def bucket(size: int) -> int:
+    """The smallest bucket that holds `size` rows: `2**j` or `3 * 2**(j - 1)`."""
+    if size <= 2:
+        return size
+    power = 1 << (size - 1).bit_length()
+    three_quarters = 3 * power // 4
+    return three_quarters if three_quarters >= size else power
+
+
+def _on_host(array) -> bool:
+    """Whether `array` is NumPy data or a `jax.Array` on one CPU device, which NumPy
+    reads in place."""
+    if isinstance(array, jax.core.Tracer):
+        return False
+    if not isinstance(array, jax.Array):
+        return True
+    devices = array.devices()
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+
+def _is_committed_to_several_devices(array) -> bool:
+    return isinstance(array, jax.Array) and len(array.devices()) > 1
+
+
+def pad_rows(array, rows: int, *, fill: str = "first"):
+    """`array` with its leading axis padded to `rows`: by repeating its first row
+    (`fill="first"`, queries that are valid and answered like the others) or with
+    zeros (`fill="zeros"`)."""
+    missing = rows - np.shape(array)[0]
+    if missing == 0:
+        return array
+    xp = np if _on_host(array) else jnp
+    array = xp.asarray(array)
+    if fill == "first":
+        padding = xp.broadcast_to(array[:1], (missing, *array.shape[1:]))
+    else:
+        padding = xp.zeros((missing, *array.shape[1:]), array.dtype)
+    return _to_device(xp.concatenate([array, padding]))
+
+
+def first_rows(array, rows: int, batch: tuple[int, ...]):
+    """The first `rows` rows of `array`, their leading axis reshaped to `batch`."""
+    if array.shape[0] == rows and len(batch) == 1:
+        return array
+    xp = np if _on_host(array) else jnp
+    return _to_device(xp.asarray(array)[:rows].reshape((*batch, *array.shape[1:])))
+
+
+def _to_device(array):
+    # `jax.device_put`, not `jnp.asarray`, which compiles a copy for each new shape.
+    return array if isinstance(array, jax.Array) else jax.device_put(array)
+
+
+def queries_in_buckets(*per_query: str):
+    """Decorates a query method `method(self, x, ...)`: called eagerly, its queries
+    `x` of shape `(..., d)` (and the arguments named in `per_query` that have one
+    value per query) are flattened and padded to a bucket, and every array of the
+    answer is cut back to the batch shape `...`. Under any transformation, or for
+    queries spread over several devices, the method runs as it is."""
+
+    def decorate(method: Callable) -> Callable:
+        signature = inspect.signature(method)
+
+        @ft.wraps(method)
+        def bucketed(self, x, *args, **kwargs):
+            shape = np.shape(x)
+            if (
+                not outside_any_trace()
+                or len(shape) < 1
+                or shape[-1] != self.d  # the method says what is wrong with `x`
+                or _is_committed_to_several_devices(x)
+            ):
+                return method(self, x, *args, **kwargs)
+            batch = shape[:-1]
+            size = math.prod(batch)
+            rows = bucket(size)
+            if size == 0 or (rows == size and len(batch) == 1):
+                return method(self, x, *args, **kwargs)
+            bound = signature.bind(self, x, *args, **kwargs)
+            for name in per_query:
+                value = bound.arguments.get(name)
+                if value is None or np.ndim(value) == 0:
+                    continue
+                if _is_committed_to_several_devices(value):
+                    return method(self, x, *args, **kwargs)
+                try:
+                    flat = np.broadcast_to(np.asarray(value), batch).reshape(size)
+                except ValueError:  # the method says what is wrong with it
+                    return method(self, x, *args, **kwargs)
+                bound.arguments[name] = pad_rows(flat, rows)
+            bound.arguments["x"] = pad_rows(_flattened(x, size), rows)
+            answer = method(*bound.args, **bound.kwargs)
+            return jax.tree.map(lambda a: first_rows(a, size, batch), answer)
+
+        return bucketed
+
+    return decorate
+
+
+def _flattened(x, size: int) -> Any:
+    shape = np.shape(x)
+    if _on_host(x):
+        return np.asarray(x).reshape(size, shape[-1])
+    return jnp.reshape(x, (size, shape[-1]))

@@ -1,0 +1,157 @@
+"""Eager calls pad to size buckets: nearby sizes compile once, and the padding never
+shows in the answers."""
+
+import contextlib
+
+import jax
+import jax.monitoring
+import numpy as np
+import pytest
+import scipy.spatial
+
+import kdeqx
+from kdeqx._backend._buckets import bucket
+
+
+_COMPILES: list[str] = []
+
+
+def _count_compiles(event: str, duration: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES.append(event)
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+@contextlib.contextmanager
+def _compiles():
+    """The number of XLA compiles in the block, as a one-element list."""
+    before = len(_COMPILES)
+    counted = [0]
+    yield counted
+    counted[0] = len(_COMPILES) - before
+
+
+def test_buckets_are_powers_of_two_and_their_three_quarters():
+    assert [bucket(s) for s in range(1, 14)] == [
+        1,
+        2,
+        3,
+        4,
+        6,
+        6,
+        8,
+        8,
+        12,
+        12,
+        12,
+        12,
+        16,
+    ]
+    for size in range(1, 5000):
+        rows = bucket(size)
+        assert size <= rows <= 1.5 * size  # at most a third of the rows pad
+        assert rows & (rows - 1) == 0 or (rows // 3) & (rows // 3 - 1) == 0
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    points = rng.random((3000, 3)).astype(np.float32)
+    return kdeqx.KDTree(points), points, rng
+
+
+def _queries(rng, q):
+    return rng.random((q, 3)).astype(np.float32)
+
+
+_LOCAL_FITS = (
+    lambda tree, x, v: tree.interpolate(x, v, k=8, kernel="rbf"),
+    lambda tree, x, v: tree.interpolate(x, v, k=8, kernel="mls"),
+)
+# The local fits solve in float32, whose rounding depends on the batch's shape.
+_LOCAL_FIT_RTOL = 1e-3
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda tree, x, v: tree.query(x, k=3),
+        lambda tree, x, v: tree.query(x, k=2, distance_upper_bound=0.1 + x[:, 0]),
+        lambda tree, x, v: tree.count_ball_point(x, 0.1),
+        lambda tree, x, v: tree.query_ball_point(x, 0.05 + x[:, 1] / 10, 16),
+        lambda tree, x, v: tree.interpolate(x, v, k=4),
+        lambda tree, x, v: tree.interpolate(
+            x, v, k=4, kernel="gaussian", length_scale=0.1
+        ),
+        *_LOCAL_FITS,
+    ],
+    ids=["query", "bound", "count", "ball", "idw", "gaussian", "rbf", "mls"],
+)
+def test_sizes_in_one_bucket_compile_once(data, call):
+    tree, points, rng = data
+    values = (points**2).sum(1)
+    jax.block_until_ready(call(tree, _queries(rng, 100), values))
+    for q in (101, 102, 103, 117):
+        x = _queries(rng, q)
+        with _compiles() as counted:
+            answer = call(tree, x, values)
+        assert counted[0] == 0, (q, counted[0])
+        # Equal to the same call on exactly these queries, under `jit` (no buckets).
+        exact = jax.jit(lambda x: call(tree, x, values))(x)
+        for got, want in zip(jax.tree.leaves(answer), jax.tree.leaves(exact)):
+            assert got.shape == want.shape and got.dtype == want.dtype
+            if np.issubdtype(got.dtype, np.integer):
+                np.testing.assert_array_equal(got, want)
+            else:
+                local_fit = call in _LOCAL_FITS
+                np.testing.assert_allclose(
+                    got, want, rtol=_LOCAL_FIT_RTOL if local_fit else 1e-6
+                )
+
+
+def test_padding_is_invisible_against_scipy(data):
+    tree, points, rng = data
+    reference = scipy.spatial.cKDTree(points.astype(np.float64))
+    x = rng.random((7, 5, 3)).astype(np.float32)
+    distances, indices = tree.query(x, k=4)
+    assert distances.shape == indices.shape == (7, 5, 4)
+    want_d, want_i = reference.query(x.astype(np.float64), k=4)
+    np.testing.assert_array_equal(indices, want_i)
+    np.testing.assert_allclose(distances, want_d, rtol=1e-6)
+    counts = tree.count_ball_point(x, 0.1)
+    assert counts.shape == (7, 5)
+    np.testing.assert_array_equal(
+        counts,
+        reference.query_ball_point(x.astype(np.float64), 0.1, return_length=True),
+    )
+    single_d, single_i = tree.query(x[0, 0], k=4)
+    assert single_d.shape == single_i.shape == (4,)
+    np.testing.assert_array_equal(single_i, want_i[0, 0])
+
+
+def test_errors_name_the_callers_queries(data):
+    tree, _, rng = data
+    x = _queries(rng, 5)
+    x[3, 1] = np.nan
+    with pytest.raises(ValueError, match=r"first at index \(3, 1\)"):
+        tree.query(x)
+    with pytest.raises(ValueError, match=r"got shape \(5, 2\)"):
+        tree.query(np.zeros((5, 2)))
+
+
+def test_trees_whose_n_shares_a_bucket_share_the_build(data):
+    _, _, rng = data
+    jax.block_until_ready(kdeqx.KDTree(rng.random((5000, 3)).astype(np.float32)))
+    for n in (4990, 5001, 5100):
+        points = rng.random((n, 3)).astype(np.float32)
+        with _compiles() as counted:
+            tree = kdeqx.KDTree(points)
+            jax.block_until_ready(tree)
+        assert counted[0] == 0, n
+        reference = scipy.spatial.cKDTree(points.astype(np.float64))
+        x = _queries(rng, 50)
+        np.testing.assert_array_equal(
+            tree.query(x, k=5)[1], reference.query(x.astype(np.float64), k=5)[1]
+        )
