@@ -49,6 +49,23 @@ def _wrong_scan_is_off(output: str) -> None:
     )
 
 
+def _md_lost_no_step(output: str) -> None:
+    done, requested = re.search(r"(\d+) of (\d+) steps done", output).groups()  # type: ignore[union-attr]
+    assert done == requested, output
+    reallocations = int(re.search(r"reallocations: (\d+)", output).group(1))  # type: ignore[union-attr]
+    assert reallocations >= 1 and output.count("overflowed the list") == reallocations
+    assert "steps kept with an overflowed list: 0" in output
+    drift = float(re.search(r"largest relative drift ([0-9.e+-]+)", output).group(1))  # type: ignore[union-attr]
+    assert drift < 1e-3, drift
+    positions, velocities = map(
+        float,
+        re.search(
+            r"positions differ by ([0-9.e+-]+), velocities by ([0-9.e+-]+)", output
+        ).groups(),  # type: ignore[union-attr]
+    )
+    assert positions < 1e-9 and velocities < 1e-9, output
+
+
 # What each example must print (regular expressions), and checks of its numbers.
 EXPECTED = {
     "quickstart.py": (
@@ -64,6 +81,10 @@ EXPECTED = {
         [_interpolated_field_reaches_target],
     ),
     "lennard_jones.py": ([r"particles, \d+ steps .* relative drift"], []),
+    "md_overflow.py": (
+        [r"step \d+ overflowed the list", r"same run with capacity [0-9,]+"],
+        [_md_lost_no_step],
+    ),
     "message_passing.py": ([r"steps on batches of \d+ clouds: training loss"], []),
     "operator_series.py": (
         [r"X_2 at t = 1", r"OperatorSeries K = 100 in float32"],
