@@ -66,6 +66,14 @@ def _md_lost_no_step(output: str) -> None:
     assert positions < 1e-9 and velocities < 1e-9, output
 
 
+def _sparse_matrix_equal(output: str) -> None:
+    got, want, difference = re.search(
+        r"entries ([0-9,]+) \(scipy ([0-9,]+)\), largest difference ([0-9.e+-]+)",
+        output,
+    ).groups()  # type: ignore[union-attr]
+    assert got == want and float(difference) < 1e-12, output
+
+
 # What each example must print (regular expressions), and checks of its numbers.
 EXPECTED = {
     "quickstart.py": (
@@ -84,6 +92,16 @@ EXPECTED = {
     "md_overflow.py": (
         [r"step \d+ overflowed the list", r"same run with capacity [0-9,]+"],
         [_md_lost_no_step],
+    ),
+    "scipy_port.py": (
+        [
+            r"query: indices equal: True",
+            r"query_ball_point: lists equal: True",
+            r"query_ball_point\(return_length=True\): equal: True",
+            r"query_pairs: sets equal: True",
+            r"count_neighbors: equal: True",
+        ],
+        [_sparse_matrix_equal],
     ),
     "message_passing.py": ([r"steps on batches of \d+ clouds: training loss"], []),
     "operator_series.py": (

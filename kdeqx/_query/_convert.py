@@ -19,13 +19,19 @@ def _checked_count(count: ArrayLike, capacity: int, argument: str) -> int:
     return count
 
 
-def ball_lists(indices: ArrayLike, counts: ArrayLike) -> list:
+def ball_lists(indices: ArrayLike, counts: ArrayLike, *, sort: bool = False) -> list:
     """scipy's lists of neighbours from `query_ball_point` or `query_ball_tree`.
 
-    **Arguments:** `indices` and `counts` as returned (`(..., m)` and `(...)`).
+    **Arguments:**
 
-    **Returns:** for one query, a list of indices (nearest first); for a batch, a
-    nested list of the batch's shape (scipy returns an object array of lists; wrap in
+    - `indices`, `counts`: as returned (`(..., m)` and `(...)`).
+    - `sort`: `True` orders each list by index, as scipy does for a batch of
+        queries (its `return_sorted` default) and for `query_ball_tree`; `False`
+        (default) keeps the order of `indices` (nearest first, unless the query
+        was asked for `return_sorted=True`).
+
+    **Returns:** for one query, a list of indices; for a batch, a nested list of the
+    batch's shape (scipy returns an object array of lists; wrap in
     `np.array(..., dtype=object)` if needed). Raises `ValueError` if some query
     found more than `m` points.
     """
@@ -33,8 +39,12 @@ def ball_lists(indices: ArrayLike, counts: ArrayLike) -> list:
     capacity = indices.shape[-1]
     _checked_count(counts.max(initial=0), capacity, "max_neighbors")
     if counts.ndim == 0:
-        return indices[: int(counts)].tolist()
-    return [ball_lists(row, count) for row, count in zip(indices, counts, strict=True)]
+        found = indices[: int(counts)]
+        return sorted(found.tolist()) if sort else found.tolist()
+    return [
+        ball_lists(row, count, sort=sort)
+        for row, count in zip(indices, counts, strict=True)
+    ]
 
 
 def pair_array(pairs: ArrayLike, count: ArrayLike) -> np.ndarray:

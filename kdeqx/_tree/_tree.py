@@ -7,15 +7,16 @@ the private `_knn`, `_count`, `_collect` and `_knn_rows` methods.
 
 import abc
 import dataclasses
-from collections.abc import Sequence
-from typing import ClassVar
+from collections.abc import Callable, Sequence
+from typing import ClassVar, TypeVar
 
 import equinox as eqx
 import jax
 import jax.experimental.sparse
 import jax.numpy as jnp
 
-from .._backend._buckets import queries_in_buckets
+from .._backend import outside_any_trace
+from .._backend._buckets import bucket, queries_in_buckets
 from .._backend._mesh import split_like_queries
 from .._custom_types import (
     Array,
@@ -45,6 +46,7 @@ from .._validate import (
     check_static_int,
     check_values,
     check_weights,
+    is_concrete,
 )
 from ._build import build_search_arrays
 
@@ -95,6 +97,7 @@ class AbstractKDTree(eqx.Module):
         eps: float | ArrayLike = 0.0,
         p: int | float = 2.0,
         distance_upper_bound: float | ArrayLike = jnp.inf,
+        workers: int | None = None,
     ) -> tuple[Float[Array, "*batch k"], Int[Array, "*batch k"]]:
         """Finds the `k` nearest points to each query.
 
@@ -121,6 +124,9 @@ class AbstractKDTree(eqx.Module):
             counts as 0).
         - `distance_upper_bound`: only points at distance strictly less than this are
             returned (a scalar, or one value per query of shape `(...)`).
+        - `workers`: scipy's, accepted so that ported scripts run; it changes
+            nothing. kdeqx uses the threads and devices JAX has (on a CPU, one
+            device per core with `kdeqx.use_every_core`).
 
         **Returns:**
 
@@ -130,6 +136,7 @@ class AbstractKDTree(eqx.Module):
         `distance_upper_bound`) are distance `inf` and index `n`. `distances` are
         differentiable with respect to `x` and the points.
         """
+        check_workers(workers)
         ranks = check_ranks(k)
         k = max(ranks)
         metric = check_norm(p, eps)
@@ -181,12 +188,18 @@ class AbstractKDTree(eqx.Module):
         self,
         x: ArrayLike,
         r: float | ArrayLike,
-        max_neighbors: int,
+        max_neighbors: int | None = None,
         *,
         p: int | float = 2.0,
         eps: float | ArrayLike = 0.0,
         raise_on_overflow: bool = False,
-    ) -> tuple[Float[Array, "*batch m"], Int[Array, "*batch m"], Int[Array, "*batch"]]:
+        workers: int | None = None,
+        return_sorted: bool | None = None,
+        return_length: bool = False,
+    ) -> (
+        tuple[Float[Array, "*batch m"], Int[Array, "*batch m"], Int[Array, "*batch"]]
+        | Int[Array, "*batch"]
+    ):
         """Finds the points within distance `r` (inclusive) of each query.
 
         JAX needs fixed shapes, so at most `max_neighbors` are returned, nearest first
@@ -196,36 +209,68 @@ class AbstractKDTree(eqx.Module):
 
         - `x`: queries, shape `(d,)` or `(..., d)`.
         - `r`: radius, a scalar or one per query (shape `(...)`); finite and `>= 0`.
-        - `max_neighbors`: the fixed capacity `m`, a static Python int `>= 1`.
+        - `max_neighbors`: the fixed capacity `m`, a static Python int `>= 1`; or
+            `None` (default) outside `jit`, `grad` and `vmap`: the points are
+            counted first (`count_ball_point`) and `m` is the size bucket of the
+            largest count (see `kdeqx.bucket`), so that nothing is cut off and
+            nearby counts share one compiled program. Under a transformation the
+            capacity fixes the answer's shape and must be given: count outside it
+            (`m = int(tree.count_ball_point(x, r).max())`), or pass a generous one
+            with `raise_on_overflow=True`.
         - `p`: the Minkowski norm, as in `query`.
         - `eps`: approximate search, as in `count_ball_point` (the points returned
             lie within `r (1 + eps)`, and include every point within
             `r / (1 + eps)`).
         - `raise_on_overflow`: if `True`, a query with more than `max_neighbors`
-            points within `r` raises a runtime error (via `eqx.error_if`) instead of
-            truncating silently.
+            points within `r` raises an error instead of truncating: eagerly a
+            `ValueError` that names the capacity needed, under `jit` a runtime
+            error (via `eqx.error_if`).
+        - `workers`: scipy's, accepted; it changes nothing (see `query`).
+        - `return_sorted`: `True` orders each query's points by index, as scipy's
+            lists for a batch of queries; `None` (default) or `False`: nearest first
+            (ties by lower index).
+        - `return_length`: `True` returns only the counts, as scipy's
+            (`count_ball_point`, which needs no capacity).
 
         **Returns:**
 
         `(distances, indices, counts)`: distances and indices of shape `(..., m)`,
         padded with `(inf, n)`; `counts` of shape `(...)` is the true number of points
         within `r`, so `counts > m` shows truncation. Distances are differentiable.
+        `kdeqx.ball_lists(indices, counts)` gives scipy's lists.
         """
-        max_neighbors = check_static_int("max_neighbors", max_neighbors, 1)
+        check_workers(workers)
+        if return_length:
+            return self.count_ball_point(x, r, p=p, eps=eps)
+        if return_sorted not in (None, True, False):
+            raise TypeError(
+                f"`return_sorted` must be a bool or None, got {return_sorted!r}."
+            )
         metric = check_norm(p, eps)
         x = self._check_queries(x)
         r = check_radius(r, x.shape[:-1], x.dtype)
+        max_neighbors = _capacity(
+            max_neighbors,
+            "max_neighbors",
+            "query_ball_point",
+            lambda: jnp.max(self._count(x, *_outer_reach(r, metric)), initial=0),
+        )
         distances, indices, counts = self._collect(
             x, r, _findable(max_neighbors, self.n), metric
         )
         distances, indices = _padded((distances, indices), max_neighbors, self.n)
-        if raise_on_overflow:
-            distances = eqx.error_if(
-                distances,
-                jnp.any(counts > max_neighbors),
-                f"query_ball_point: more than max_neighbors={max_neighbors} points "
-                "lie within `r` of a query; raise `max_neighbors` (see `counts`).",
-            )
+        distances, indices, counts = _checked_capacity(
+            (distances, indices, counts),
+            jnp.max(counts, initial=0),
+            max_neighbors,
+            "query_ball_point",
+            "max_neighbors",
+            raise_on_overflow,
+        )
+        if return_sorted:
+            order = jnp.argsort(indices, axis=-1, stable=True)
+            distances = jnp.take_along_axis(distances, order, -1)
+            indices = jnp.take_along_axis(indices, order, -1)
         return distances, indices, counts
 
     @queries_in_buckets()
@@ -332,7 +377,7 @@ class AbstractKDTree(eqx.Module):
         self,
         other: "AbstractKDTree",
         r: float | ArrayLike,
-        max_neighbors: int,
+        max_neighbors: int | None = None,
         *,
         p: int | float = 2.0,
         eps: float | ArrayLike = 0.0,
@@ -367,12 +412,13 @@ class AbstractKDTree(eqx.Module):
     def query_pairs(
         self,
         r: float | ArrayLike,
-        max_pairs: int,
+        max_pairs: int | None = None,
         *,
         p: int | float = 2.0,
         eps: float | ArrayLike = 0.0,
         raise_on_overflow: bool = False,
         sort: bool = True,
+        output_type: str | None = None,
     ) -> tuple[Int[Array, "max_pairs 2"], Float[Array, " max_pairs"], Int[Array, ""]]:
         """All pairs of points `i < j` at distance at most `r` (scipy's
         `query_pairs`), in a fixed capacity.
@@ -380,18 +426,24 @@ class AbstractKDTree(eqx.Module):
         **Arguments:**
 
         - `r`: the distance, a finite scalar `>= 0`.
-        - `max_pairs`: the fixed capacity, a static Python int `>= 1`.
+        - `max_pairs`: the fixed capacity, a static Python int `>= 1`; or `None`
+            (default) outside `jit`, `grad` and `vmap`: the pairs are counted first
+            (`count_neighbors`) and the capacity is the size bucket of their number
+            (see `query_ball_point`).
         - `p`: the Minkowski norm, as in `query`.
         - `eps`: approximate search, as in `count_ball_point`: every pair within
             `r / (1 + eps)` is found, and no pair beyond `r (1 + eps)`.
-        - `raise_on_overflow`: if `True`, more than `max_pairs` pairs raise a runtime
-            error (via `eqx.error_if`) instead of being cut off.
+        - `raise_on_overflow`: if `True`, more than `max_pairs` pairs raise an error
+            instead of being cut off (as in `query_ball_point`).
         - `sort`: a static bool. `True` orders the pairs by `i`, then `j`. `False`
             leaves them in the order the walk met them (the same for the same tree
             on the same backend, otherwise unspecified, like scipy's
             `output_type="ndarray"`), which spares the sort of `max_pairs` keys, a
             large share of this query's time on a CPU (see
             `benchmarks/scipy_api.py`). A `ShardedKDTree` sorts either way.
+        - `output_type`: scipy's, refused: the answer is always arrays, which
+            `kdeqx.pair_set` (scipy's `"set"`) and `kdeqx.pair_array` (`"ndarray"`)
+            convert.
 
         **Returns:**
 
@@ -401,30 +453,42 @@ class AbstractKDTree(eqx.Module):
         scalar that may exceed `max_pairs`. On overflow the pairs kept are those the
         walk met first. `kdeqx.pair_set(pairs, count)` gives scipy's set of tuples.
         """
-        max_pairs = check_static_int("max_pairs", max_pairs, 1)
+        refuse_output_type(
+            output_type, "query_pairs", "`kdeqx.pair_set` or `kdeqx.pair_array`"
+        )
         metric = check_norm(p, eps)
         r = check_scalar_radius("r", r, self.dtype)
+        max_pairs = _capacity(
+            max_pairs,
+            "max_pairs",
+            "query_pairs",
+            lambda: (self._pair_count(*_outer_reach(r, metric)) - self.n) // 2,
+        )
         if not isinstance(sort, bool):
             raise TypeError(f"`sort` must be a Python bool, got {sort!r}.")
         found = self._self_pairs(r, max_pairs, metric, sort)
-        distances = _checked_capacity(
-            found.distances,
+        return _checked_capacity(
+            (
+                jnp.stack([found.rows, found.cols], axis=-1),
+                found.distances,
+                found.count,
+            ),
             found.count,
             max_pairs,
             "query_pairs",
             "max_pairs",
             raise_on_overflow,
         )
-        return jnp.stack([found.rows, found.cols], axis=-1), distances, found.count
 
     def sparse_distance_matrix(
         self,
         other: "AbstractKDTree",
         max_distance: float | ArrayLike,
-        max_entries: int,
+        max_entries: int | None = None,
         *,
         p: int | float = 2.0,
         raise_on_overflow: bool = False,
+        output_type: str | None = None,
     ) -> tuple[jax.experimental.sparse.BCOO, Int[Array, ""]]:
         """The distances between the points of this tree and those of `other` that
         are at most `max_distance` apart (scipy's `sparse_distance_matrix`), as a
@@ -434,9 +498,15 @@ class AbstractKDTree(eqx.Module):
 
         - `other`: a tree of the same dimension (any tree type).
         - `max_distance`: a finite scalar `>= 0`.
-        - `max_entries`: the fixed number of stored entries, a static Python int.
+        - `max_entries`: the fixed number of stored entries, a static Python int;
+            or `None` (default) outside `jit`, `grad` and `vmap`: the pairs are
+            counted first (`count_neighbors`) and the capacity is the size bucket
+            of their number (see `query_ball_point`).
         - `p`: the Minkowski norm, as in `query`.
         - `raise_on_overflow`: as in `query_pairs`.
+        - `output_type`: scipy's, refused: the answer is a BCOO matrix, which
+            `kdeqx.to_scipy_sparse` (scipy's `"coo_matrix"`) and
+            `kdeqx.distance_dict` (`"dict"`) convert.
 
         **Returns:**
 
@@ -452,10 +522,20 @@ class AbstractKDTree(eqx.Module):
         diagonal added: much faster than a walk for every pair (see
         `benchmarks/scipy_api.py`).
         """
+        refuse_output_type(
+            output_type,
+            "sparse_distance_matrix",
+            "`kdeqx.to_scipy_sparse` or `kdeqx.distance_dict`",
+        )
         self._check_other(other)
-        max_entries = check_static_int("max_entries", max_entries, 1)
         metric = check_norm(p, 0.0)
         max_distance = check_scalar_radius("max_distance", max_distance, other.dtype)
+        max_entries = _capacity(
+            max_entries,
+            "max_entries",
+            "sparse_distance_matrix",
+            lambda: self._pair_count(max_distance, metric, other),
+        )
         if other is self:  # scipy's idiom for one set's matrix: its pairs, mirrored
             found = self._self_matrix(max_distance, max_entries, metric)
         else:
@@ -466,14 +546,15 @@ class AbstractKDTree(eqx.Module):
                 metric,
                 False,
             )
-        distances = _checked_capacity(
-            found.distances,
+        found = _checked_capacity(
+            found,
             found.count,
             max_entries,
             "sparse_distance_matrix",
             "max_entries",
             raise_on_overflow,
         )
+        distances = found.distances
         stored = found.rows < self.n
         matrix = jax.experimental.sparse.BCOO(
             (
@@ -574,6 +655,19 @@ class AbstractKDTree(eqx.Module):
             raise ValueError(
                 f"`other` has points of dimension {other.d}, this tree {self.d}."
             )
+
+    def _pair_count(
+        self,
+        r: Float[Array, ""],
+        metric: Minkowski,
+        other: "AbstractKDTree | None" = None,
+    ) -> Int[Array, ""]:
+        """The ordered pairs `(x, y)` within `r`, `x` of this tree and `y` of
+        `other` (this tree: every `(i, i)` and both orders of each pair)."""
+        other = self if other is None else other
+        return other._counts_within(
+            self._points().astype(other.dtype), r[None], metric, None, None
+        )[0]
 
     @abc.abstractmethod
     def _points(self) -> Float[Array, "n d"]:
@@ -784,18 +878,56 @@ class KDTree(AbstractSearchTree, AbstractKDTree):
 _rows_at = jax.jit(rows_at)
 
 
+def _outer_reach(r: Array, metric: Minkowski) -> tuple[Array, Minkowski]:
+    """The radius and exact norm within which an approximate search (`eps`) may
+    return points: `r (1 + eps)`."""
+    if metric.eps is None:
+        return r, metric
+    return r * (1 + metric.eps.astype(r.dtype)), Minkowski(metric.p)
+
+
+def _capacity(
+    capacity: int | None, argument: str, method: str, count: Callable[[], Array]
+) -> int:
+    """A static capacity: the one given, or, outside any transformation, the size
+    bucket of the `count` that it must hold (counted now)."""
+    if capacity is not None:
+        return check_static_int(argument, capacity, 1)
+    if not outside_any_trace():
+        raise TypeError(
+            f"{method}: under `jit`, `grad` or `vmap`, `{argument}` must be given: it "
+            "fixes the shape of the answer. Call it once outside the transformation "
+            f"without `{argument}` (the count is taken first), or pass a generous "
+            "capacity with `raise_on_overflow=True`."
+        )
+    return bucket(max(1, int(count())))
+
+
+_Answer = TypeVar("_Answer")
+
+
 def _checked_capacity(
-    distances, count, capacity: int, method: str, argument: str, raise_on_overflow
-):
-    """`distances`, carrying a runtime error if `raise_on_overflow` and `count`
-    exceeds the capacity."""
+    answer: _Answer, count, capacity: int, method: str, argument: str, raise_on_overflow
+) -> _Answer:
+    """`answer` (every array of it, so that the check stays whichever is used),
+    carrying an error if `raise_on_overflow` and `count` exceeds the capacity:
+    eagerly a `ValueError` with the capacity needed, under `jit` a runtime error."""
     if not raise_on_overflow:
-        return distances
+        return answer
+    if is_concrete(count):
+        if int(count) > capacity:
+            raise ValueError(
+                f"{method}: {int(count)} neighbours or pairs, more than "
+                f"{argument}={capacity}: pass {argument}={int(count)} or more, or "
+                f"leave `{argument}` out (outside `jit`) to have it counted."
+            )
+        return answer
     return eqx.error_if(
-        distances,
+        answer,
         count > capacity,
-        f"{method}: more than {argument}={capacity} pairs lie within the distance; "
-        f"raise `{argument}` (see the returned count).",
+        f"{method}: more than {argument}={capacity} neighbours or pairs lie within "
+        f"the distance; pass a larger `{argument}`, at least the returned count "
+        f"(for `query_ball_point`, the largest of `counts`).",
     )
 
 
@@ -866,6 +998,24 @@ def scipy_alias(name: str, value, scipy_name: str, scipy_value):
             "give one."
         )
     return scipy_value
+
+
+def check_workers(workers) -> None:
+    """scipy's `workers`: `None` or an int (`-1`: every core), which changes nothing
+    here."""
+    if workers is not None and (
+        isinstance(workers, bool) or not isinstance(workers, int)
+    ):
+        raise TypeError(f"`workers` must be an int or None, got {workers!r}.")
+
+
+def refuse_output_type(output_type, method: str, converters: str) -> None:
+    """scipy's `output_type`, which kdeqx answers with arrays and converters."""
+    if output_type is not None:
+        raise TypeError(
+            f"{method}: `output_type` is scipy's; kdeqx returns arrays (fixed "
+            f"shapes, for JAX). Convert them with {converters}."
+        )
 
 
 def check_engine(engine: str) -> str:
