@@ -3,6 +3,7 @@
 import importlib.metadata
 
 from ._backend import use_every_core as use_every_core
+from ._backend._buckets import bucket as bucket, pad_to_bucket as pad_to_bucket
 from ._graph._graph import (
     knn_graph as knn_graph,
     NeighborGraph as NeighborGraph,

@@ -155,3 +155,21 @@ def test_trees_whose_n_shares_a_bucket_share_the_build(data):
         np.testing.assert_array_equal(
             tree.query(x, k=5)[1], reference.query(x.astype(np.float64), k=5)[1]
         )
+
+
+def test_pad_to_bucket_shares_a_users_jitted_program(data):
+    tree, points, rng = data
+    nearest = jax.jit(lambda tree, x: tree.query(x, k=4))
+    jax.block_until_ready(nearest(tree, kdeqx.pad_to_bucket(_queries(rng, 100))))
+    reference = scipy.spatial.cKDTree(points.astype(np.float64))
+    for q in (101, 117, 128):
+        x = _queries(rng, q)
+        with _compiles() as counted:
+            padded = kdeqx.pad_to_bucket(x)
+            _, indices = nearest(tree, padded)
+        assert counted[0] == 0 and padded.shape == (128, 3)
+        np.testing.assert_array_equal(
+            indices[:q], reference.query(x.astype(np.float64), k=4)[1]
+        )
+    with pytest.raises(ValueError, match="at least one row"):
+        kdeqx.pad_to_bucket(np.zeros((0, 3)))

@@ -19,11 +19,25 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
+from .._custom_types import Array, ArrayLike
 from ._compile import outside_any_trace
 
 
 def bucket(size: int) -> int:
-    """The smallest bucket that holds `size` rows: `2**j` or `3 * 2**(j - 1)`."""
+    """The size bucket of `size` rows: the smallest `2**j` or `3 * 2**(j - 1)` that
+    holds them (at most a third of the bucket is padding).
+
+    kdeqx pads eager queries to this size (and sizes capacities it counts itself to
+    it), so that nearby sizes share one compiled program.
+
+    **Arguments:**
+
+    - `size`: a Python int `>= 0`.
+
+    **Returns:** the bucket, a Python int `>= size`.
+    """
+    if size < 0:
+        raise ValueError(f"`size` must be >= 0, got {size}.")
     if size <= 2:
         return size
     power = 1 << (size - 1).bit_length()
@@ -62,6 +76,37 @@ def pad_rows(array, rows: int, *, fill: str = "first"):
     return _to_device(xp.concatenate([array, padding]))
 
 
+def pad_to_bucket(x: ArrayLike) -> Array:
+    """`x` with its leading axis padded to its size bucket (see `kdeqx.bucket`) by
+    repeating its first row: for a jitted function of your own, so that batches of
+    nearby sizes share its compiled program. Keep the first `len(x)` rows of what
+    it returns.
+
+    ```python
+    @jax.jit
+    def nearest(tree, x):
+        return tree.query(x, k=8)
+
+    distances, indices = nearest(tree, kdeqx.pad_to_bucket(x))
+    distances, indices = distances[: len(x)], indices[: len(x)]
+    ```
+
+    **Arguments:**
+
+    - `x`: an array with at least one axis and at least one row (queries of shape
+        `(q, d)`, for example).
+
+    **Returns:** `x` padded to `(kdeqx.bucket(q), ...)`; `x` itself when `q` is a
+    bucket.
+    """
+    if np.ndim(x) < 1 or np.shape(x)[0] < 1:
+        raise ValueError(
+            f"`x` must have a leading axis with at least one row, got shape "
+            f"{np.shape(x)}."
+        )
+    return _to_device(pad_rows(x, bucket(np.shape(x)[0])))
+
+
 def first_rows(array, rows: int, batch: tuple[int, ...]):
     """The first `rows` rows of `array`, their leading axis reshaped to `batch`."""
     if array.shape[0] == rows and len(batch) == 1:
@@ -72,7 +117,7 @@ def first_rows(array, rows: int, batch: tuple[int, ...]):
 
 def _to_device(array):
     # `jax.device_put`, not `jnp.asarray`, which compiles a copy for each new shape.
-    return array if isinstance(array, jax.Array) else jax.device_put(array)
+    return array if isinstance(array, jax.Array) else jax.device_put(np.asarray(array))
 
 
 def queries_in_buckets(*per_query: str):
