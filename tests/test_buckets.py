@@ -33,8 +33,9 @@ def _compiles():
     counted[0] = len(_COMPILES) - before
 
 
-def test_buckets_are_powers_of_two_and_their_three_quarters():
-    assert [bucket(s) for s in range(1, 14)] == [
+def test_buckets_are_few_for_small_sizes_and_tight_for_large_ones():
+    assert [bucket(s) for s in range(14)] == [
+        0,
         1,
         2,
         3,
@@ -49,10 +50,16 @@ def test_buckets_are_powers_of_two_and_their_three_quarters():
         12,
         16,
     ]
-    for size in range(1, 5000):
+    for size in range(1, 70_000, 7):
         rows = bucket(size)
-        assert size <= rows <= 1.5 * size  # at most a third of the rows pad
-        assert rows & (rows - 1) == 0 or (rows // 3) & (rows // 3 - 1) == 0
+        significant = rows >> ((rows & -rows).bit_length() - 1)  # odd part
+        if size <= 4096:
+            assert rows - size <= rows // 3 and significant in (1, 3)
+        elif size <= 65536:
+            assert rows - size <= rows // 8 and significant < 16
+        else:
+            assert rows == size
+    assert bucket(100_000) == 100_000
 
 
 @pytest.fixture(scope="module")

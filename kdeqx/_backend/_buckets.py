@@ -1,9 +1,9 @@
 """Size buckets: eager calls of nearby sizes share one compiled program.
 
 JAX compiles a program for every new shape. Called outside any trace, a query pads
-its batch of queries to the next bucket (`2**j` or `3 * 2**(j - 1)` rows, as jaxknn
-does: at most a third of the rows are padding) and returns the first rows of the
-answer, so that a script whose batch sizes vary compiles once per bucket. The padding
+its batch of queries to the next bucket (`bucket`: for small batches `2**j` or
+`3 * 2**(j - 1)` rows, as jaxknn does) and returns the first rows of the answer, so
+that a script whose batch sizes vary compiles once per bucket. The padding
 and the slicing happen in NumPy where the arrays live on the host, and so compile
 nothing themselves; elsewhere they are two small `jax.numpy` operations.
 """
@@ -23,12 +23,21 @@ from .._custom_types import Array, ArrayLike
 from ._compile import outside_any_trace
 
 
-def bucket(size: int) -> int:
-    """The size bucket of `size` rows: the smallest `2**j` or `3 * 2**(j - 1)` that
-    holds them (at most a third of the bucket is padding).
+# Up to this many rows a bucket is `2**j` or `3 * 2**(j - 1)`: small batches cost
+# their compile, not their run, so few buckets are best. Beyond it, eight buckets per
+# octave (at most an eighth of padding), and beyond `_EXACT_ABOVE` the exact size:
+# there every call would pay for the padding, and large batches rarely vary. See
+# `benchmarks/matched.py`, whose eager calls take 1e5 queries.
+_COARSE_UP_TO = 4096
+_EXACT_ABOVE = 65536
 
-    kdeqx pads eager queries to this size (and sizes capacities it counts itself to
-    it), so that nearby sizes share one compiled program.
+
+def bucket(size: int) -> int:
+    """The size bucket of `size` rows, which kdeqx pads eager queries to (and sizes
+    the capacities it counts itself to), so that nearby sizes share one compiled
+    program: `2**j` or `3 * 2**(j - 1)` up to 4096 rows (at most a third of
+    padding); then the next multiple of an eighth of the power of two below (at
+    most an eighth of padding); above 65536 rows, `size` itself.
 
     **Arguments:**
 
@@ -38,11 +47,11 @@ def bucket(size: int) -> int:
     """
     if size < 0:
         raise ValueError(f"`size` must be >= 0, got {size}.")
-    if size <= 2:
+    if size > _EXACT_ABOVE:
         return size
-    power = 1 << (size - 1).bit_length()
-    three_quarters = 3 * power // 4
-    return three_quarters if three_quarters >= size else power
+    kept_bits = 2 if size <= _COARSE_UP_TO else 4
+    step = 1 << max(0, (size - 1).bit_length() - kept_bits)
+    return -(-size // step) * step
 
 
 def _on_host(array) -> bool:
