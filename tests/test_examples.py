@@ -74,6 +74,15 @@ def _sparse_matrix_equal(output: str) -> None:
     assert got == want and float(difference) < 1e-12, output
 
 
+def _jraph_batch_of_eight_crystals(output: str) -> None:
+    lists = dict(re.findall(r"(n_node|n_edge) \[([0-9, ]+)\]", output))
+    n_node, n_edge = (
+        [int(v) for v in lists[k].split(",")] for k in ("n_node", "n_edge")
+    )
+    assert len(n_node) == len(n_edge) == 9 and n_node[-1] == 1, output
+    assert len(set(n_node[:-1])) > 1 and min(n_edge[:-1]) > 0, output
+
+
 # What each example must print (regular expressions), and checks of its numbers.
 EXPECTED = {
     "quickstart.py": (
@@ -87,6 +96,15 @@ EXPECTED = {
     "optimize_queries.py": (
         [r"interpolated \|f\(x\)", r"analytic \|f\(x\)"],
         [_interpolated_field_reaches_target],
+    ),
+    "crystals.py": (
+        [
+            r"8 crystals of \d+ to \d+ atoms .* one radius_graph call",
+            r"edges equal a brute force over each crystal's images: True",
+            r"n_node and n_edge equal each crystal's atoms and edges: True",
+            r"stress \(8, 3, 3\) .* all finite: True",
+        ],
+        [_jraph_batch_of_eight_crystals],
     ),
     "lennard_jones.py": ([r"particles, \d+ steps .* relative drift"], []),
     "md_overflow.py": (

@@ -1,14 +1,17 @@
 """Neighbour graphs: every pair of points within a cutoff, or each point's k nearest,
-in free space or a periodic cell of any shape, for batches of separate systems, as
-fixed-capacity edge lists (matscipy's `i, j, S` convention) for message passing and
-molecular dynamics.
+in free space or a periodic cell of any shape, for batches of separate systems (each
+in a cell of its own, if need be), as fixed-capacity edge lists (matscipy's `i, j, S`
+convention) for message passing and molecular dynamics.
 
-Both graphs search a tree of the points moved into the cell. A radius graph walks
+Both graphs search a tree of the points moved into their cells. A radius graph walks
 each leaf of it, and each image of the leaf that the cutoff reaches, as one `Block`
 query (pairs travel as bitmasks, as in `query_pairs`); a kNN graph queries each
 image of each point, the far ones bounded by what the point's own cell found. A batch
 of systems becomes one tree: each system is moved along an extra axis, far enough
-from the others that no edge joins two of them.
+from the others that no edge joins two of them. With a cell per system, each point
+moves by its own system's image offsets (a leaf's box by its system's, or, for a leaf
+of several systems, by every system's), and an offset along an axis that a system is
+not periodic along carries its points to infinity.
 """
 
 import equinox as eqx
@@ -32,12 +35,14 @@ from .._validate import (
     check_positive,
     check_static_int,
     index_dtype_for,
+    is_concrete,
 )
 from ._cell import (
     as_cell,
     as_lattice,
     Cell,
     checked_reach,
+    checked_systems,
     first_nonzero_positive,
     image_counts,
     shift_table,
@@ -49,9 +54,10 @@ class NeighborGraph(eqx.Module):
     (or to each point's nearest), in a fixed capacity.
 
     The edge vector is `points[receivers] - points[senders] + shifts @ cell`
-    (matscipy's `i, j, S`): `shifts` counts the whole cell vectors that carry the
-    receiver to the image the sender sees (zero without a cell). Edges are ordered by
-    sender, then receiver, then shift. Entries past the edges found are padding:
+    (matscipy's `i, j, S`), with the cell of the edge's system when there is one
+    per system: `shifts` counts the whole cell vectors that carry the receiver to the
+    image the sender sees (zero without a cell). Edges are ordered by sender, then
+    receiver, then shift. Entries past the edges found are padding:
     `senders == receivers == n`, `shifts == 0`, distance `inf`.
 
     `count` is the true number of edges, which may exceed the capacity (`overflow`;
@@ -59,6 +65,10 @@ class NeighborGraph(eqx.Module):
     as fit, in order, of those the search met first. `distances` are
     differentiable with respect to the points and the cell (zero, not NaN,
     gradients at zero length); so is `edge_vectors`.
+
+    A graph built with `batch=` keeps the ids (`batch`) and, when it was given one
+    cell per system, their number (`num_systems`, static): `edge_vectors` finds
+    each edge's cell by them and `to_jraph` splits the graph into one per system.
     """
 
     senders: Int[Array, " edges"]
@@ -67,6 +77,8 @@ class NeighborGraph(eqx.Module):
     distances: Float[Array, " edges"]
     count: Int[Array, ""]
     overflow: Bool[Array, ""]
+    batch: Int[Array, " n"] | None = None
+    num_systems: int | None = eqx.field(static=True, default=None)
 
     @property
     def max_edges(self) -> int:
@@ -77,21 +89,73 @@ class NeighborGraph(eqx.Module):
     ) -> Float[Array, "edges d"]:
         """`points[receivers] - points[senders] + shifts @ cell` (zero at padding),
         for the points and cell of this step: the graph's integers stay valid while
-        no pair crosses the cutoff (see `NeighborList`)."""
+        no pair crosses the cutoff (see `NeighborList`).
+
+        **Arguments:**
+
+        - `points`: shape `(n, d)`.
+        - `cell`: `None`, one cell (`(d,)` lengths or a `(d, d)` lattice), or one
+            per system (`(B, d)` or `(B, d, d)`; the graph must have been built
+            with `batch=` ids `0 .. B - 1`, which pick each edge's cell).
+
+        **Returns:**
+
+        The edge vectors, shape `(max_edges, d)`.
+        """
         points = as_float_array("points", points)
-        return _edge_vectors(self.senders, self.receivers, self.shifts, points, cell)
+        if points.ndim != 2 or points.shape[1] != self.shifts.shape[-1]:
+            raise ValueError(
+                f"`points` must have shape (n, {self.shifts.shape[-1]}), got shape "
+                f"{points.shape}."
+            )
+        lattice, per_system = as_lattice(cell, points.shape[1], points.dtype)
+        system = None
+        if per_system:
+            assert lattice is not None
+            system = self._systems(lattice.shape[0], "`cell` with one cell per system")
+        return _edge_vectors(
+            self.senders, self.receivers, self.shifts, points, lattice, system
+        )
 
     def edge_mask(self) -> Bool[Array, " edges"]:
         """Which entries are edges (not padding)."""
         return self.distances < jnp.inf
 
-    def to_jraph(self, nodes: PyTree, edges: PyTree = None, globals: PyTree = None):
+    def to_jraph(
+        self,
+        nodes: PyTree,
+        edges: PyTree = None,
+        globals: PyTree = None,
+        *,
+        num_graphs: int | None = None,
+    ):
         """A `jraph.GraphsTuple` (jraph is optional: `pip install jraph`) in jraph's
-        padded form: the graph, then a padding graph of one node (row `n` of the
-        nodes, zeros) that receives the padding edges. `nodes` are per-point
-        features (arrays of leading axis `n`), `edges` per-entry features (leading
-        axis `max_edges`) or `None`, `globals` leading axis 2 or `None`. Works
-        under `jit` (the edge count is traced).
+        padded form: the graph (one graph per system when it was built with
+        `batch=`), then a padding graph of one node (row `n` of the nodes, zeros)
+        that receives the padding edges. Works under `jit` (the counts are traced).
+
+        **Arguments:**
+
+        - `nodes`: per-point features, arrays of leading axis `n`.
+        - `edges`: per-entry features, arrays of leading axis `max_edges`, or
+            `None`.
+        - `globals`: per-graph features, arrays of leading axis `B + 1` (one row
+            per graph and one for the padding graph; `2` without `batch`), or
+            `None`.
+        - `num_graphs`: the number of systems `B` of a graph built with `batch=`
+            (static). It defaults to the number of cells for a graph built with one
+            cell per system, and is needed otherwise.
+
+        The batch ids must be `0 .. B - 1` in sorted order: jraph's `n_node` counts
+        each graph's nodes as a contiguous run (sort the points by id before
+        building the graph: `order = jnp.argsort(batch)`). Other ids raise an
+        error (eagerly, or `eqx.error_if` under `jit`).
+
+        **Returns:**
+
+        A `GraphsTuple` of `B + 1` graphs (`2` without `batch`): `n_node` counts each
+        system's points, `n_edge` its edges (those kept, when the graph
+        overflowed), and the padding graph has one node and the padding entries.
         """
         try:
             import jraph
@@ -102,8 +166,34 @@ class NeighborGraph(eqx.Module):
             raise ValueError(
                 "`nodes` must hold per-point features (one row per point)."
             )
-        n = leaves[0].shape[0]
+        n = leaves[0].shape[0] if leaves[0].ndim else 0
+        _check_leading("nodes", nodes, n, "one row per point")
+        _check_leading("edges", edges, self.max_edges, "one row per entry")
         real = jnp.minimum(self.count, self.max_edges).astype(jnp.int32)
+        if self.batch is None:
+            if num_graphs not in (None, 1):
+                raise ValueError(
+                    f"`num_graphs={num_graphs}` needs a graph built with `batch=`."
+                )
+            n_node = jnp.array([n, 1], jnp.int32)
+            n_edge = jnp.stack([real, self.max_edges - real])
+        else:
+            if self.batch.shape[0] != n:
+                raise ValueError(
+                    f"`nodes` must have one row per point of the graph "
+                    f"({self.batch.shape[0]}), got {n}."
+                )
+            systems = self._num_graphs(num_graphs)
+            ids = _sorted_ids(self._systems(systems, "`to_jraph`"))
+            n_node = jnp.zeros(systems + 1, jnp.int32).at[ids].add(1).at[-1].set(1)
+            graph_of = jnp.where(self.senders < n, rows_at(ids, self.senders), systems)
+            n_edge = jnp.zeros(systems + 1, jnp.int32).at[graph_of].add(1)
+        _check_leading(
+            "globals",
+            globals,
+            n_node.shape[0],
+            "one row per graph, and one for the padding graph",
+        )
         return jraph.GraphsTuple(
             nodes=jax.tree.map(
                 lambda a: jnp.pad(a, [(0, 1)] + [(0, 0)] * (a.ndim - 1)), nodes
@@ -111,40 +201,99 @@ class NeighborGraph(eqx.Module):
             edges=edges,
             senders=self.senders,
             receivers=self.receivers,
-            n_node=jnp.array([n, 1], jnp.int32),
-            n_edge=jnp.stack([real, self.max_edges - real]),
+            n_node=n_node,
+            n_edge=n_edge,
             globals=globals,
         )
+
+    def _num_graphs(self, num_graphs: int | None) -> int:
+        """`B`: `num_graphs`, or the graph's number of cells."""
+        if num_graphs is None:
+            if self.num_systems is None:
+                raise ValueError(
+                    "`to_jraph` of a graph built with `batch=` needs `num_graphs=` "
+                    "(the number of systems), unless it was built with one cell "
+                    "per system."
+                )
+            return self.num_systems
+        num_graphs = check_static_int("num_graphs", num_graphs, 1)
+        if self.num_systems is not None and num_graphs != self.num_systems:
+            raise ValueError(
+                f"`num_graphs={num_graphs}`, but the graph was built with "
+                f"{self.num_systems} cells, one per system."
+            )
+        return num_graphs
+
+    def _systems(self, systems: int, what: str) -> Int[Array, " n"]:
+        """The batch ids, checked to be system ids `0 .. systems - 1`."""
+        if self.batch is None:
+            raise ValueError(
+                f"{what} needs a graph built with `batch=` (each point's system id)."
+            )
+        return checked_systems(self.batch, systems)
+
+
+def _check_leading(name: str, tree: PyTree, rows: int, what: str) -> None:
+    for leaf in jax.tree.leaves(tree):
+        shape = jnp.shape(leaf)
+        if not shape or shape[0] != rows:
+            raise ValueError(
+                f"`{name}` must have a leading axis of {rows} ({what}), got an array "
+                f"of shape {shape}."
+            )
+
+
+def _sorted_ids(ids: Int[Array, " n"]) -> Int[Array, " n"]:
+    """`ids`, checked to be in order (eagerly, or with `eqx.error_if` under `jit`)."""
+    message = (
+        "`to_jraph` needs the points sorted by `batch` id (each system's points "
+        "contiguous): sort them before building the graph, e.g. by "
+        "`jnp.argsort(batch)`."
+    )
+    if is_concrete(ids):
+        if np.any(np.diff(np.asarray(ids)) < 0):
+            raise ValueError(message)
+        return ids
+    return eqx.error_if(ids, jnp.any(ids[1:] < ids[:-1]), message)
 
 
 # Jitted, as `with_points`: eagerly, one program to compile, not one per operation.
 @jax.jit
-def _edge_vectors(senders, receivers, shifts, points, cell):
-    return jnp.stack(_edge_components(senders, receivers, shifts, points, cell), -1)
+def _edge_vectors(senders, receivers, shifts, points, lattice, system):
+    return jnp.stack(
+        _edge_components(senders, receivers, shifts, points, lattice, system), -1
+    )
 
 
-def _edge_components(senders, receivers, shifts, points, cell) -> list[Array]:
+def _edge_components(
+    senders, receivers, shifts, points, lattice, system=None
+) -> list[Array]:
     """The edge vectors axis by axis (zero at padding): on XLA:CPU, gathers and sums
-    of single columns run several times faster than of `(edges, 3)` rows."""
+    of single columns run several times faster than of `(edges, 3)` rows. `lattice`
+    holds `(B, d, d)` cells: each edge's is its sender's `system`'s (or the one
+    cell, for `system=None`)."""
     n, d = points.shape
     valid = senders < n
-    lattice = as_lattice(cell, d, points.dtype)
+    edge_system = None if system is None else rows_at(system, senders)
     components = []
     for axis in range(d):
         column = points[:, axis]
         vector = rows_at(column, receivers) - rows_at(column, senders)
         if lattice is not None:
             for b in range(d):
-                vector = vector + shifts[:, b].astype(points.dtype) * lattice[b, axis]
+                entry = lattice[:, b, axis]  # per system
+                entry = entry[0] if edge_system is None else rows_at(entry, edge_system)
+                vector = vector + shifts[:, b].astype(points.dtype) * entry
         components.append(jnp.where(valid, vector, 0))
     return components
 
 
 @eqx.filter_jit
-def with_points(graph: NeighborGraph, points, lattice) -> NeighborGraph:
-    """The graph with its distances measured for `points` and `lattice`."""
+def with_points(graph: NeighborGraph, points, lattice, system=None) -> NeighborGraph:
+    """The graph with its distances measured for `points` and `lattice` (`(B, d,
+    d)` cells, picked per edge by `system`, see `_edge_components`)."""
     components = _edge_components(
-        graph.senders, graph.receivers, graph.shifts, points, lattice
+        graph.senders, graph.receivers, graph.shifts, points, lattice, system
     )
     distances = _lengths(components, graph.senders < points.shape[0])
     return eqx.tree_at(lambda g: g.distances, graph, distances)
@@ -163,7 +312,7 @@ def radius_graph(
     max_edges: int,
     *,
     cell: ArrayLike | None = None,
-    pbc: bool | tuple[bool, ...] = True,
+    pbc: bool | tuple[bool, ...] | ArrayLike = True,
     batch: ArrayLike | None = None,
     self_loops: bool = False,
     half: bool = False,
@@ -181,13 +330,19 @@ def radius_graph(
     - `max_edges`: the capacity (static int `>= 1`). More edges than that are
         counted (`count`, `overflow`), never silently lost.
     - `cell`: `None` (free space), the lengths of an orthorhombic box `(d,)`, or a
-        triclinic cell `(d, d)` whose rows are the cell vectors. It must span a
-        volume (also along non-periodic axes).
-    - `pbc`: which cell vectors are periodic, a bool or one per axis (ignored
-        without a cell).
+        triclinic cell `(d, d)` whose rows are the cell vectors; or one cell per
+        system of a batch, `(B, d)` lengths or `(B, d, d)` lattices, with `batch`
+        ids `0 .. B - 1` picking each point's (a `(d, d)` array is always one
+        lattice: give `d` orthorhombic systems as `(d, d, d)` diagonal lattices).
+        Every cell must span a volume (also along non-periodic axes).
+    - `pbc`: which cell vectors are periodic: a bool, or one per axis, for every
+        system; or `(B, d)` bools, a row per system, with one cell per system.
+        Concrete (Python or NumPy bools; ignored without a cell).
     - `batch`: segment ids of shape `(n,)` (ints, for example `0 .. B - 1` in any
         order): edges join only points of one segment, so a batch of systems is one
-        call. In float32 the ids must stay below `2**24`.
+        call. With one cell per system the ids must be `0 .. B - 1` (others raise
+        an error, eagerly or with `eqx.error_if` under `jit`). In float32 the ids
+        must stay below `2**24`.
     - `self_loops`: include each `(i, i)` with zero shift. A point's other images
         within `r` are neighbours and always included.
     - `half`: each pair once: `sender < receiver`, or for a point and its own image,
@@ -195,9 +350,9 @@ def radius_graph(
     - `images`: how many cells to search on either side along each periodic axis
         (static; an int or one per axis). By default the fewest that hold every
         image within `r` (`ceil(r / height)`, the height being the distance between
-        the cell's faces) for a concrete `r` and `cell`, and 1 when either is traced
-        (under `jit` or `grad`). Too few raises an error (eagerly, or
-        `eqx.error_if` under `jit`), never a missing edge.
+        the cell's faces) in every system, for a concrete `r` and `cell`, and 1
+        when either is traced (under `jit` or `grad`). Too few raises an error
+        (eagerly, or `eqx.error_if` under `jit`), never a missing edge.
     - `leaf_size`: the search tree's leaf size (tuning; answers do not depend on it).
 
     **Returns:** a `NeighborGraph` with `max_edges` entries, edges in both
@@ -209,11 +364,19 @@ def radius_graph(
     r = check_positive(
         "r", check_finite("r", as_float_array("r", r, points.dtype)), points.dtype
     )
-    cell_ = as_cell(cell, pbc, d, points.dtype)
+    cell_, segment, systems = cell_and_segments(cell, pbc, batch, n, d, points.dtype)
     counts = image_counts(cell_, r, images)
-    segment = _check_batch(batch, n)
     return _radius_graph(
-        points, r, cell_, segment, max_edges, counts, self_loops, half, leaf_size
+        points,
+        r,
+        cell_,
+        segment,
+        systems,
+        max_edges,
+        counts,
+        self_loops,
+        half,
+        leaf_size,
     )
 
 
@@ -222,7 +385,7 @@ def knn_graph(
     k: int,
     *,
     cell: ArrayLike | None = None,
-    pbc: bool | tuple[bool, ...] = True,
+    pbc: bool | tuple[bool, ...] | ArrayLike = True,
     batch: ArrayLike | None = None,
     self_loops: bool = False,
     images: int | tuple[int, ...] | None = None,
@@ -238,19 +401,37 @@ def knn_graph(
     the edges are still in order, padding last. Aggregating messages at each centre
     point is `jax.ops.segment_sum(messages, graph.senders, n)`.
 
-    **Arguments:** as `radius_graph`, with `k` the number of neighbours (static int
-    `>= 1`) and `self_loops` counting the point itself (at distance 0) as one of
-    them. `images` defaults to 1 (searched cells on either side along each periodic
-    axis); a point whose `k`-th neighbour lies farther than the images searched can
-    reach raises an error (eagerly, or `eqx.error_if` under `jit`).
+    **Arguments:** as `radius_graph` (one cell per system included), with `k` the
+    number of neighbours (static int `>= 1`) and `self_loops` counting the point
+    itself (at distance 0) as one of them. `images` defaults to 1 (searched cells
+    on either side along each periodic axis); a point whose `k`-th neighbour lies
+    farther than the images searched can reach raises an error (eagerly, or
+    `eqx.error_if` under `jit`).
     """
     points = check_points("points", points)
     n, d = points.shape
     k = check_static_int("k", k, 1)
-    cell_ = as_cell(cell, pbc, d, points.dtype)
+    cell_, segment, systems = cell_and_segments(cell, pbc, batch, n, d, points.dtype)
     counts = image_counts(cell_, None, images)
+    return _knn_graph(points, k, cell_, segment, systems, counts, self_loops, leaf_size)
+
+
+def cell_and_segments(
+    cell, pbc, batch, n: int, d: int, dtype
+) -> tuple[Cell | None, Int[Array, " n"] | None, int | None]:
+    """`(cell, segment, systems)`: the checked cell (`None` when nothing is
+    periodic), the checked segment ids (`None` without `batch`), and the number of
+    cells given one per system (else `None`)."""
     segment = _check_batch(batch, n)
-    return _knn_graph(points, k, cell_, segment, counts, self_loops, leaf_size)
+    cell_, systems = as_cell(cell, pbc, d, dtype)
+    if systems is not None:
+        if segment is None:
+            raise ValueError(
+                f"`cell` holds {systems} cells, one per system: pass `batch=` with "
+                f"each point's system id, 0 .. {systems - 1}."
+            )
+        segment = checked_systems(segment, systems)
+    return cell_, segment, systems
 
 
 def _check_batch(batch, n: int) -> Int[Array, " n"] | None:
@@ -266,14 +447,21 @@ def _check_batch(batch, n: int) -> Int[Array, " n"] | None:
     return segment
 
 
+def system_of(cell: Cell | None, segment) -> Int[Array, " n"] | None:
+    """Each point's cell: its segment id with one cell per system, else `None`."""
+    return segment if cell is not None and cell.per_system else None
+
+
 class _Placed(eqx.Module):
-    """The points as the search sees them: moved into the cell (`wraps` whole cell
-    vectors back), each segment moved along an extra axis, and the image offsets
-    (`offsets[s] = table[s] @ lattice`, zero on the extra axis)."""
+    """The points as the search sees them: moved into their cells (`wraps` whole
+    cell vectors back) and each segment moved along an extra axis; and the cells'
+    lattices (zero on the extra axis; one for one cell, zero in free space) and
+    periodic axes, which make each system's image offsets (`_offsets`)."""
 
     points: Float[Array, "n e"]
     wraps: Int[Array, "n d"]
-    offsets: Float[Array, "images e"]
+    lattice: Float[Array, "systems d e"]
+    periodic: Bool[Array, "systems d"]
 
 
 def _placed(points, cell: Cell | None, segment, table: np.ndarray, separation):
@@ -281,20 +469,22 @@ def _placed(points, cell: Cell | None, segment, table: np.ndarray, separation):
     n, d = points.shape
     if cell is None:
         wrapped, wraps = points, jnp.zeros((n, d), jnp.int32)
-        offsets = jnp.zeros((len(table), d), points.dtype)
+        lattice = jnp.zeros((1, d, d), points.dtype)
+        periodic = jnp.zeros((1, d), bool)
     else:
         cell = lax.stop_gradient(cell)
-        wrapped, wraps = cell.wrapped(points)
-        offsets = jnp.asarray(table, points.dtype) @ cell.lattice
+        wrapped, wraps = cell.wrapped(points, system_of(cell, segment))
+        lattice, periodic = cell.lattice, cell.periodic
     if segment is not None:
         lowest = jnp.min(segment) if n else 0
+        offsets = _offsets(table, lattice)
         extra = (segment - lowest).astype(points.dtype) * separation(wrapped, offsets)
         wrapped = jnp.concatenate([wrapped, extra[:, None]], axis=1)
-        offsets = jnp.pad(offsets, ((0, 0), (0, 1)))
-    return _Placed(wrapped, wraps, offsets)
+        lattice = jnp.pad(lattice, ((0, 0), (0, 0), (0, 1)))
+    return _Placed(wrapped, wraps, lattice, periodic)
 
 
-def _graph(points, cell, table, wraps, edges, count, capacity: int):
+def _graph(points, cell, segment, systems, table, wraps, edges, count, capacity: int):
     """The `NeighborGraph` of `edges = (senders, receivers, images)`, sorted and
     padded with `n`: shifts from the image numbers and the points' `wraps`, lengths
     from the points and cell as given."""
@@ -318,9 +508,18 @@ def _graph(points, cell, table, wraps, edges, count, capacity: int):
         lambda: jnp.stack([shifts_on(a, False) for a in range(table.shape[1])], -1),
     )
     lattice = None if cell is None else cell.lattice
-    components = _edge_components(senders, receivers, shifts, points, lattice)
+    components = _edge_components(
+        senders, receivers, shifts, points, lattice, system_of(cell, segment)
+    )
     return NeighborGraph(
-        senders, receivers, shifts, _lengths(components, valid), count, count > capacity
+        senders,
+        receivers,
+        shifts,
+        _lengths(components, valid),
+        count,
+        count > capacity,
+        segment,
+        systems,
     )
 
 
@@ -360,19 +559,38 @@ class _LeafEdges(AbstractEmitter):
 
 @eqx.filter_jit
 def _radius_graph(
-    points, r, cell, segment, capacity: int, counts, self_loops, half, leaf_size
+    points,
+    r,
+    cell,
+    segment,
+    systems: int | None,
+    capacity: int,
+    counts,
+    self_loops,
+    half,
+    leaf_size,
 ) -> NeighborGraph:
     n, d = points.shape
     index_dtype = index_dtype_for(n + 1)
     table = shift_table(counts, d)
     if n == 0:
-        return _empty_graph(points, capacity, index_dtype)
+        return _empty_graph(points, capacity, index_dtype, segment, systems)
     tree, placed, filled = _searched(
         points, r, cell, segment, table, capacity, self_loops, half, leaf_size
     )
     edges = _unsorted_edges(tree, filled, capacity, index_dtype)
     edges = sort_edges(*edges, n + 1, len(table))
-    graph = _graph(points, cell, table, placed.wraps, edges, filled.written, capacity)
+    graph = _graph(
+        points,
+        cell,
+        segment,
+        systems,
+        table,
+        placed.wraps,
+        edges,
+        filled.written,
+        capacity,
+    )
     return checked_reach(graph, cell, counts, r, "The cutoff `r`")
 
 
@@ -399,26 +617,85 @@ def _searched(
     """The tree over the placed points and the sink of its walk (`_walked_images`)."""
     placed = _placed(points, cell, segment, table, lambda *_: 2 * r)
     tree = lax.stop_gradient(KDTree(placed.points, leaf_size=leaf_size))
-    filled = _walked_images(tree, placed, table, r, capacity, self_loops, half)
+    system = system_of(cell, segment)
+    blocks = _image_blocks(tree, placed, table, system)
+    filled = _walked_images(tree, blocks, table, r, capacity, self_loops, half)
     return tree, placed, filled
 
 
+def _image_blocks(tree: KDTree, placed: _Placed, table, system) -> Block:
+    """Each image of each leaf as a `Block`, image by image: its points moved by
+    minus their image offset (a sender image sits at `y - offset`); padding slots,
+    and points moved along an axis their system is not periodic along, at
+    infinity (they pair with nothing)."""
+    size, leaves = tree.leaf_size, tree.num_leaves
+    images, e = len(table), tree.leaf_points.shape[1]
+    padding = tree.leaf_indices == tree.n
+    if system is None:
+        # One cell: a leaf's box moves with its points.
+        leaf_points = jnp.where(padding[:, None], jnp.inf, tree.leaf_points)
+        moved = _offsets(table, placed.lattice[0]) * tree.scale
+        points = leaf_points.reshape(leaves, size, e)[None] - moved[:, None, None]
+        boxes = [
+            (box[None] - moved[:, None]).reshape(-1, e) for box in tree._leaf_boxes()
+        ]
+        return Block(points.reshape(images * leaves, size, e), *boxes)
+    # Image by image, slot by slot: sums of products that XLA fuses into their
+    # readers (a gather of `(images, e)` offsets per slot would be materialised).
+    slot_system = rows_at(system, tree.leaf_indices)
+    moved = _offsets(table, placed.lattice[slot_system] * tree.scale)  # (M, slots, e)
+    void = padding | ~_reachable(table, placed.periodic[slot_system])
+    points = jnp.where(void[..., None], jnp.inf, tree.leaf_points - moved)
+    # The boxes from the leaves' (a reduction over the moved points costs more
+    # than the walk saves): a leaf of one system moves by its offset; one of
+    # several (at the ends of small systems) is bounded by every system's.
+    ids = slot_system.reshape(leaves, size)
+    real = ~padding.reshape(leaves, size)
+    lowest = jnp.min(jnp.where(real, ids, jnp.iinfo(ids.dtype).max), axis=1)
+    highest = jnp.max(jnp.where(real, ids, jnp.iinfo(ids.dtype).min), axis=1)
+    one = lowest == highest
+    lattices = placed.lattice * tree.scale
+    offsets = _offsets(table, lattices)  # (M, B, e)
+    own = jnp.where(one[None, :, None], offsets[:, jnp.where(one, lowest, 0)], 0)
+    farthest = jnp.where(one[None, :, None], own, jnp.max(offsets, axis=1)[:, None])
+    nearest = jnp.where(one[None, :, None], own, jnp.min(offsets, axis=1)[:, None])
+    leaf_lo, leaf_hi = tree._leaf_boxes()
+    lo = (leaf_lo[None] - farthest).reshape(images * leaves, e)
+    hi = (leaf_hi[None] - nearest).reshape(images * leaves, e)
+    # A leaf of one system that is not periodic along the offset (or of padding
+    # only): an empty box (lo above hi), which the walk skips.
+    reachable = _reachable(table, placed.periodic[jnp.where(one, lowest, 0)])
+    empty = (one & ~reachable) | ~jnp.any(real, axis=1)
+    empty = empty.reshape(images * leaves, 1)
+    return Block(
+        points.reshape(images * leaves, size, e),
+        jnp.where(empty, 1, lo),
+        jnp.where(empty, -1, hi),
+    )
+
+
+def _offsets(table, lattice: Float[Array, "*batch d e"]) -> Array:
+    """`table @ lattice` for one lattice, `(M, e)`, or one per row, `(M, *batch,
+    e)`: `table[s] @ lattice[...]` as sums of products."""
+    table = jnp.asarray(table, lattice.dtype)
+    d = table.shape[1]
+    extra = (slice(None),) + (None,) * (lattice.ndim - 2) + (None,)
+    terms = [table[:, b][extra] * lattice[..., b, :][None] for b in range(d)]
+    return sum(terms[1:], terms[0])
+
+
+def _reachable(table, periodic: Bool[Array, "*batch d"]) -> Array:
+    """Which offsets move only along periodic axes, `(M, *batch)`."""
+    still = jnp.asarray(table) == 0
+    extra = (slice(None),) + (None,) * (periodic.ndim - 1)
+    return jnp.all(periodic[None] | still[extra + (slice(None),)], axis=-1)
+
+
 def _walked_images(
-    tree: KDTree, placed: _Placed, table, r, capacity: int, self_loops, half
+    tree: KDTree, blocks: Block, table, r, capacity: int, self_loops, half
 ) -> Sink:
     """The sink of `_LeafEdges` records from a walk of every image of every leaf."""
     size, leaves = tree.leaf_size, tree.num_leaves
-    # Padding slots at infinity: they pair with nothing.
-    padding = (tree.leaf_indices == tree.n)[:, None]
-    leaf_points = jnp.where(padding, jnp.inf, tree.leaf_points)
-    moved = placed.offsets * tree.scale  # a sender image sits at `y - offset`
-    e = moved.shape[1]
-    blocks = Block(
-        (leaf_points.reshape(leaves, size, e)[None] - moved[:, None, None]).reshape(
-            len(table) * leaves, size, e
-        ),
-        *[(box[None] - moved[:, None]).reshape(-1, e) for box in tree._leaf_boxes()],
-    )
     image = jnp.repeat(jnp.arange(len(table), dtype=jnp.int32), leaves)
     leaf = jnp.tile(jnp.arange(leaves, dtype=tree.leaf_indices.dtype), len(table))
     senders = jnp.tile(tree.leaf_indices.reshape(leaves, size), (len(table), 1))
@@ -443,7 +720,7 @@ def _walked_images(
     gap = jnp.maximum(
         jnp.maximum(blocks.lo - tree.node_hi[:, 0], tree.node_lo[:, 0] - blocks.hi), 0
     )
-    near = jnp.sum(gap * gap, axis=1) <= r2
+    near = jnp.all(blocks.lo <= blocks.hi, axis=1) & (jnp.sum(gap * gap, axis=1) <= r2)
     _, filled = walk_many(tree, blocks, visitors, EUCLIDEAN, sink=sink, active=near)
     assert filled is not None
     return filled
@@ -468,13 +745,16 @@ def _unsorted_edges(tree: KDTree, filled: Sink, capacity: int, index_dtype):
 
 
 @eqx.filter_jit
-def _knn_graph(points, k: int, cell, segment, counts, self_loops, leaf_size):
+def _knn_graph(
+    points, k: int, cell, segment, systems: int | None, counts, self_loops, leaf_size
+):
     n, d = points.shape
     index_dtype = index_dtype_for(n + 1)
     table = shift_table(counts, d)
     if n == 0:
-        return _empty_graph(points, 0, index_dtype)
+        return _empty_graph(points, 0, index_dtype, segment, systems)
     placed = _placed(points, cell, segment, table, _beyond_every_candidate)
+    system = system_of(cell, segment)
     tree = lax.stop_gradient(KDTree(placed.points, leaf_size=leaf_size))
     wanted = k if self_loops else k + 1
     centre = len(table) // 2  # the zero offset
@@ -508,9 +788,21 @@ def _knn_graph(points, k: int, cell, segment, counts, self_loops, leaf_size):
 
     def with_image(s, best):
         bound = jnp.nextafter(best[0][:, -1], jnp.inf)  # ties at the k-th enter
-        x = placed.points - placed.offsets[s]
-        found = _nearest(tree, x, bound, wanted)
-        return merged(best, (*found, jnp.full((n, wanted), s, jnp.int32)))
+        shift = jnp.asarray(table)[s][None]
+        if system is None:
+            x = placed.points - _offsets(shift, placed.lattice[0])[0]
+            distances, receivers = _nearest(tree, x, bound, wanted)
+        else:
+            # Each point's own system's offset; an offset along an axis its system
+            # is not periodic along finds nothing.
+            x = placed.points - _offsets(shift, placed.lattice[system])[0]
+            reachable = _reachable(shift, placed.periodic[system])[0][:, None]
+            bound = jnp.where(reachable[:, 0], bound, 0)
+            distances, receivers = _nearest(tree, x, bound, wanted)
+            distances = jnp.where(reachable, distances, jnp.inf)
+            receivers = jnp.where(reachable, receivers, n)
+        images = jnp.full((n, wanted), s, jnp.int32)
+        return merged(best, (distances, receivers, images))
 
     others = [s for s in range(len(table)) if s != centre]
     if others:
@@ -529,9 +821,13 @@ def _knn_graph(points, k: int, cell, segment, counts, self_loops, leaf_size):
     images = images.reshape(-1)
     count = jnp.sum(valid, dtype=index_dtype)
     edges = _padding_last(valid.reshape(-1), senders, receivers, images, n)
-    graph = _graph(points, cell, table, placed.wraps, edges, count, n * k)
+    graph = _graph(
+        points, cell, segment, systems, table, placed.wraps, edges, count, n * k
+    )
     # A point short of `k` candidates in a periodic cell may miss farther images.
-    return checked_reach(graph, cell, counts, farthest, "A point's k-th neighbour")
+    return checked_reach(
+        graph, cell, counts, farthest, "A point's k-th neighbour", system
+    )
 
 
 def _nearest(tree: KDTree, x, bound, wanted: int):
@@ -562,7 +858,9 @@ def _padding_last(valid, senders, receivers, images, n):
     return out(senders, n), out(receivers, n), out(images, 0)
 
 
-def _empty_graph(points, capacity: int, index_dtype) -> NeighborGraph:
+def _empty_graph(
+    points, capacity: int, index_dtype, segment, systems: int | None
+) -> NeighborGraph:
     n, d = points.shape
     return NeighborGraph(
         jnp.full(capacity, n, index_dtype),
@@ -571,4 +869,6 @@ def _empty_graph(points, capacity: int, index_dtype) -> NeighborGraph:
         jnp.full(capacity, jnp.inf, points.dtype),
         jnp.zeros((), index_dtype),
         jnp.zeros((), bool),
+        segment,
+        systems,
     )

@@ -12,12 +12,13 @@ from .._custom_types import Array, ArrayLike, Bool, Float, Int
 from .._engine._search import rows_at
 from .._tree._tree import check_points
 from .._validate import as_float_array, check_finite, check_positive, check_static_int
-from ._cell import as_cell, Cell, image_counts
+from ._cell import Cell, image_counts
 from ._graph import (
-    _check_batch,
     _radius_graph,
+    cell_and_segments,
     NeighborGraph,
     radius_edge_count,
+    system_of,
     with_points,
 )
 
@@ -33,7 +34,9 @@ class NeighborList(eqx.Module):
 
     Build one with `NeighborList.allocate` (outside `jit`: it sizes the capacity),
     then call `update(positions)` at every step (inside `jit`; under `jax.vmap` too,
-    for systems of one shape sharing the capacity). `update` rebuilds the graph only
+    for systems of one shape sharing the capacity). A batch of systems of different
+    sizes, each in a cell of its own, is one list (`batch=` and one cell per
+    system, as in `radius_graph`). `update` rebuilds the graph only
     when some particle has moved more than half the skin since the last build, so
     that no pair can have come within `cutoff` unseen. Positions may be wrapped into
     the cell between steps: the shifts follow the particles.
@@ -55,6 +58,7 @@ class NeighborList(eqx.Module):
     builds: Int[Array, ""]
     half: bool = eqx.field(static=True)
     images: tuple[int, ...] = eqx.field(static=True)
+    num_systems: int | None = eqx.field(static=True)
 
     @classmethod
     def allocate(
@@ -64,7 +68,7 @@ class NeighborList(eqx.Module):
         *,
         skin: ArrayLike,
         cell: ArrayLike | None = None,
-        pbc: bool | tuple[bool, ...] = True,
+        pbc: bool | tuple[bool, ...] | ArrayLike = True,
         batch: ArrayLike | None = None,
         half: bool = False,
         margin: float = 1.25,
@@ -77,9 +81,9 @@ class NeighborList(eqx.Module):
 
         **Arguments:** `cutoff > 0` and `skin >= 0` (scalars; the graph holds the
         pairs within `cutoff + skin`); `cell`, `pbc`, `batch`, `half` and `images`
-        as in `radius_graph` (the cell is fixed for the list's life; `images`
-        defaults to what `cutoff + skin` needs). Eager: `cutoff`, `skin` and `cell`
-        must be concrete.
+        as in `radius_graph` (the cell, or the cells one per system, are fixed for
+        the list's life; `images` defaults to what `cutoff + skin` needs). Eager:
+        `cutoff`, `skin` and `cell` must be concrete.
         """
         positions = check_points("positions", positions)
         n, d = positions.shape
@@ -90,30 +94,58 @@ class NeighborList(eqx.Module):
             raise ValueError(f"`skin` must be >= 0, got {float(skin)}.")
         if not margin >= 1:
             raise ValueError(f"`margin` must be >= 1, got {margin}.")
-        cell_ = as_cell(cell, pbc, d, dtype)
+        cell_, segment, systems = cell_and_segments(cell, pbc, batch, n, d, dtype)
         counts = image_counts(cell_, cutoff + skin, images)
-        segment = _check_batch(batch, n)
+        return cls._allocated(
+            positions,
+            cutoff,
+            skin,
+            cell_,
+            segment,
+            systems,
+            half,
+            margin,
+            max_edges,
+            counts,
+        )
 
+    @classmethod
+    def _allocated(
+        cls,
+        positions,
+        cutoff,
+        skin,
+        cell,
+        segment,
+        systems,
+        half,
+        margin,
+        max_edges,
+        counts,
+    ) -> "NeighborList":
+        """`allocate` with checked arguments."""
+        n, d = positions.shape
         reach = cutoff + skin
         if max_edges is None:  # a first pass counts the pairs
-            found = _count_in_reach(positions, reach, cell_, segment, counts, half)
+            found = _count_in_reach(positions, reach, cell, segment, counts, half)
             capacity = max(1, math.ceil(int(found) * margin) + 1)
         else:
             capacity = check_static_int("max_edges", max_edges, 1)
         graph = _pairs_in_reach(
-            positions, reach, cell_, segment, capacity, counts, half
+            positions, reach, cell, segment, systems, capacity, counts, half
         )
         return cls(
             graph,
             positions,
             jnp.zeros((n, d), jnp.int32),
-            cell_,
+            cell,
             segment,
             cutoff,
             skin,
             jnp.ones((), jnp.int32),
             half,
             counts,
+            systems,
         )
 
     @property
@@ -130,7 +162,8 @@ class NeighborList(eqx.Module):
         to `update`), differentiable in them."""
         positions = as_float_array("positions", positions, self.reference.dtype)
         lattice = None if self.cell is None else self.cell.lattice
-        return with_points(self.edges, positions, lattice)
+        system = system_of(self.cell, self.batch)
+        return with_points(self.edges, positions, lattice, system)
 
     def within_cutoff(self, positions: ArrayLike) -> Bool[Array, " edges"]:
         """Which edges are within `cutoff` at `positions` (the others are in the
@@ -158,16 +191,29 @@ class NeighborList(eqx.Module):
     def reallocate(self, positions: ArrayLike, margin: float = 1.25) -> "NeighborList":
         """A new list for `positions` with its capacity sized again (outside `jit`),
         for after an `overflow`."""
-        pbc = True if self.cell is None else self.cell.periodic
-        return NeighborList.allocate(
-            positions,
+        positions = check_points("positions", positions)
+        n, d = self.reference.shape
+        if positions.shape[1] != d or (
+            self.batch is not None and positions.shape[0] != n
+        ):
+            raise ValueError(
+                f"`positions` must have shape {self.reference.shape} (the list's), "
+                f"got {positions.shape}; allocate a new list for a new system."
+            )
+        if not margin >= 1:
+            raise ValueError(f"`margin` must be >= 1, got {margin}.")
+        counts = image_counts(self.cell, self.cutoff + self.skin, None)
+        return NeighborList._allocated(
+            positions.astype(self.reference.dtype),
             self.cutoff,
-            skin=self.skin,
-            cell=None if self.cell is None else self.cell.lattice,
-            pbc=pbc,
-            batch=self.batch,
-            half=self.half,
-            margin=margin,
+            self.skin,
+            self.cell,
+            self.batch,
+            self.num_systems,
+            self.half,
+            margin,
+            None,
+            counts,
         )
 
     def _displacements(self, positions):
@@ -176,9 +222,12 @@ class NeighborList(eqx.Module):
         if self.cell is None:
             return positions - self.reference, self.jumps
         cell = lax.stop_gradient(self.cell)
-        change = cell.fractional(positions) - cell.fractional(self.reference)
-        jumps = jnp.where(jnp.asarray(cell.periodic), jnp.round(change), 0)
-        return cell.cartesian(change - jumps), jumps.astype(jnp.int32)
+        system = system_of(cell, self.batch)
+        change = cell.fractional(positions, system) - cell.fractional(
+            self.reference, system
+        )
+        jumps = jnp.where(cell.periodic_axes(system), jnp.round(change), 0)
+        return cell.cartesian(change - jumps, system), jumps.astype(jnp.int32)
 
     def _rebuilt(self, positions) -> "NeighborList":
         graph = _pairs_in_reach(
@@ -186,6 +235,7 @@ class NeighborList(eqx.Module):
             self.cutoff + self.skin,
             self.cell,
             self.batch,
+            self.num_systems,
             self.max_edges,
             self.images,
             self.half,
@@ -230,10 +280,19 @@ def _count_in_reach(positions, reach, cell, segment, images, half):
     )
 
 
-def _pairs_in_reach(positions, reach, cell, segment, capacity, images, half):
+def _pairs_in_reach(positions, reach, cell, segment, systems, capacity, images, half):
     """The radius graph within `reach` that a list holds (no self loops)."""
     return _radius_graph(
-        positions, reach, cell, segment, capacity, images, False, half, _LEAF_SIZE
+        positions,
+        reach,
+        cell,
+        segment,
+        systems,
+        capacity,
+        images,
+        False,
+        half,
+        _LEAF_SIZE,
     )
 
 
