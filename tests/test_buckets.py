@@ -149,20 +149,41 @@ def test_errors_name_the_callers_queries(data):
         tree.query(np.zeros((5, 2)))
 
 
-def test_trees_whose_n_shares_a_bucket_share_the_build(data):
+def _tree_queries(tree, x):
+    """kNN with missing neighbours (index `n`), counts and a ball query."""
+    return (
+        tree.query(x, k=5, distance_upper_bound=0.05),
+        tree.count_ball_point(x, 0.1),
+        tree.query_ball_point(x, 0.05, 16),
+    )
+
+
+def test_trees_whose_n_shares_a_bucket_share_the_build_and_queries(data):
     _, _, rng = data
-    jax.block_until_ready(kdeqx.KDTree(rng.random((5000, 3)).astype(np.float32)))
+    x = _queries(rng, 50)
+    first = kdeqx.KDTree(rng.random((5000, 3)).astype(np.float32))
+    jax.block_until_ready(_tree_queries(first, x))
     for n in (4990, 5001, 5100):
         points = rng.random((n, 3)).astype(np.float32)
         with _compiles() as counted:
             tree = kdeqx.KDTree(points)
-            jax.block_until_ready(tree)
+            (distances, indices), counts, (_, ball, ball_counts) = _tree_queries(
+                tree, x
+            )
         assert counted[0] == 0, n
         reference = scipy.spatial.cKDTree(points.astype(np.float64))
-        x = _queries(rng, 50)
+        x64 = x.astype(np.float64)
+        want_d, want_i = reference.query(x64, k=5, distance_upper_bound=0.05)
+        assert (want_i == n).any()  # some missing neighbours: the sentinel is `n`
+        np.testing.assert_array_equal(indices, want_i)
+        np.testing.assert_allclose(distances, want_d, rtol=1e-6)
         np.testing.assert_array_equal(
-            tree.query(x, k=5)[1], reference.query(x.astype(np.float64), k=5)[1]
+            counts, reference.query_ball_point(x64, 0.1, return_length=True)
         )
+        assert kdeqx.ball_lists(ball, ball_counts, sort=True) == [
+            sorted(row) for row in reference.query_ball_point(x64, 0.05)
+        ]
+        assert np.all(np.asarray(ball)[np.arange(16) >= ball_counts[:, None]] == n)
 
 
 def test_pad_to_bucket_shares_a_users_jitted_program(data):

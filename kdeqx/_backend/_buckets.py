@@ -69,6 +69,11 @@ def _is_committed_to_several_devices(array) -> bool:
     return isinstance(array, jax.Array) and len(array.devices()) > 1
 
 
+def _to_device(array):
+    # `jax.device_put`, not `jnp.asarray`, which compiles a copy for each new shape.
+    return array if isinstance(array, jax.Array) else jax.device_put(np.asarray(array))
+
+
 def pad_rows(array, rows: int, *, fill: str = "first"):
     """`array` with its leading axis padded to `rows`: by repeating its first row
     (`fill="first"`, queries that are valid and answered like the others) or with
@@ -116,24 +121,28 @@ def pad_to_bucket(x: ArrayLike) -> Array:
     return _to_device(pad_rows(x, bucket(np.shape(x)[0])))
 
 
-def first_rows(array, rows: int, batch: tuple[int, ...]):
-    """The first `rows` rows of `array`, their leading axis reshaped to `batch`."""
-    if array.shape[0] == rows and len(batch) == 1:
+def first_rows(array, rows: int, batch: tuple[int, ...], sentinel=None):
+    """The first `rows` rows of `array`, their leading axis reshaped to `batch`; in
+    an integer array, `sentinel = (old, new)` replaces the value `old` by `new`."""
+    moved = sentinel is not None and jnp.issubdtype(array.dtype, jnp.integer)
+    if array.shape[0] == rows and len(batch) == 1 and not moved:
         return array
     xp = np if _on_host(array) else jnp
-    return _to_device(xp.asarray(array)[:rows].reshape((*batch, *array.shape[1:])))
+    array = xp.asarray(array)[:rows].reshape((*batch, *array.shape[1:]))
+    if moved and sentinel is not None:
+        old, new = sentinel
+        array = xp.where(array == old, new, array).astype(array.dtype)
+    return _to_device(array)
 
 
-def _to_device(array):
-    # `jax.device_put`, not `jnp.asarray`, which compiles a copy for each new shape.
-    return array if isinstance(array, jax.Array) else jax.device_put(np.asarray(array))
-
-
-def queries_in_buckets(*per_query: str):
-    """Decorates a query method `method(self, x, ...)`: called eagerly, its queries
-    `x` of shape `(..., d)` (and the arguments named in `per_query` that have one
-    value per query) are flattened and padded to a bucket, and every array of the
-    answer is cut back to the batch shape `...`. Under any transformation, or for
+def queries_in_buckets(*per_query: str, points_in_bucket: bool = False):
+    """Decorates a query method `method(self, x, ...)` of a tree: called eagerly, its
+    queries `x` of shape `(..., d)` (and the arguments named in `per_query` that have
+    one value per query) are flattened and padded to a bucket, and every array of
+    the answer is cut back to the batch shape `...`. With `points_in_bucket`, the
+    tree answers as its build bucket (`self._in_build_bucket()`, whose sentinel
+    index is its number of rows, put back to `n` in the answer), so that trees of
+    nearby `n` share the query's program too. Under any transformation, or for
     queries spread over several devices, the method runs as it is."""
 
     def decorate(method: Callable) -> Callable:
@@ -152,9 +161,10 @@ def queries_in_buckets(*per_query: str):
             batch = shape[:-1]
             size = math.prod(batch)
             rows = bucket(size)
-            if size == 0 or (rows == size and len(batch) == 1):
+            tree = self._in_build_bucket() if points_in_bucket else self
+            if size == 0 or (tree is self and rows == size and len(batch) == 1):
                 return method(self, x, *args, **kwargs)
-            bound = signature.bind(self, x, *args, **kwargs)
+            bound = signature.bind(tree, x, *args, **kwargs)
             for name in per_query:
                 value = bound.arguments.get(name)
                 if value is None or np.ndim(value) == 0:
@@ -168,7 +178,8 @@ def queries_in_buckets(*per_query: str):
                 bound.arguments[name] = pad_rows(flat, rows)
             bound.arguments["x"] = pad_rows(_flattened(x, size), rows)
             answer = method(*bound.args, **bound.kwargs)
-            return jax.tree.map(lambda a: first_rows(a, size, batch), answer)
+            sentinel = None if tree is self else (tree.n, self.n)
+            return jax.tree.map(lambda a: first_rows(a, size, batch, sentinel), answer)
 
         return bucketed
 

@@ -287,6 +287,25 @@ def _order_dtype(slots: int, index_dtype):
     return jnp.uint32 if slots <= np.iinfo(np.uint32).max else index_dtype
 
 
+def build_bucket(n: int, leaf_size: int) -> int:
+    """The rows that a tree of `n` points is built (and, eagerly, queried) as: the
+    positions that the levels partition, so every `n` with the same positions shares
+    the compiled programs."""
+    return _positions_with_points(n, _tree_depth(n, leaf_size), leaf_size)
+
+
+@jax.jit
+def sentinels_moved(leaf_indices, node_min_index, n, rows):
+    """The tree's index arrays with the sentinel `n` (padding slots, empty nodes)
+    moved to `rows`: those of the tree as its build bucket's `rows` points."""
+    return (
+        jnp.where(leaf_indices < n, leaf_indices, rows).astype(leaf_indices.dtype),
+        jnp.where(node_min_index < n, node_min_index, rows).astype(
+            node_min_index.dtype
+        ),
+    )
+
+
 def build_search_arrays(
     points: Float[Array, "n d"], leaf_size: int, period, halves: bool = False
 ):
@@ -304,7 +323,7 @@ def build_search_arrays(
     compiled build.
     """
     n, _ = points.shape
-    positions = _positions_with_points(n, _tree_depth(n, leaf_size), leaf_size)
+    positions = build_bucket(n, leaf_size)
     padded = pad_rows(points, positions, fill="zeros")
     count = jnp.asarray(n, index_dtype_for(leaf_size << _tree_depth(n, leaf_size)))
     return _build_search_arrays(padded, count, leaf_size, period, halves)

@@ -7,6 +7,7 @@ the private `_knn`, `_count`, `_collect` and `_knn_rows` methods.
 
 import abc
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from typing import ClassVar, TypeVar
 
@@ -16,7 +17,7 @@ import jax.experimental.sparse
 import jax.numpy as jnp
 
 from .._backend import outside_any_trace
-from .._backend._buckets import bucket, queries_in_buckets
+from .._backend._buckets import bucket, pad_rows, queries_in_buckets
 from .._backend._mesh import split_like_queries
 from .._custom_types import (
     Array,
@@ -48,7 +49,7 @@ from .._validate import (
     check_weights,
     is_concrete,
 )
-from ._build import build_search_arrays
+from ._build import build_bucket, build_search_arrays, sentinels_moved
 
 
 class AbstractKDTree(eqx.Module):
@@ -88,7 +89,7 @@ class AbstractKDTree(eqx.Module):
     def dtype(self) -> jnp.dtype:
         """The points' floating dtype, in which queries are answered."""
 
-    @queries_in_buckets("distance_upper_bound")
+    @queries_in_buckets("distance_upper_bound", points_in_bucket=True)
     def query(
         self,
         x: ArrayLike,
@@ -151,7 +152,7 @@ class AbstractKDTree(eqx.Module):
         columns = jnp.asarray(ranks) - 1
         return distances[..., columns], indices[..., columns]
 
-    @queries_in_buckets("r")
+    @queries_in_buckets("r", points_in_bucket=True)
     def count_ball_point(
         self,
         x: ArrayLike,
@@ -183,7 +184,7 @@ class AbstractKDTree(eqx.Module):
         x = self._check_queries(x)
         return self._count(x, check_radius(r, x.shape[:-1], x.dtype), metric)
 
-    @queries_in_buckets("r")
+    @queries_in_buckets("r", points_in_bucket=True)
     def query_ball_point(
         self,
         x: ArrayLike,
@@ -621,6 +622,12 @@ class AbstractKDTree(eqx.Module):
             counts = jnp.diff(counts, prepend=jnp.zeros_like(counts[:1]))
         return counts.reshape(radii.shape)
 
+    def _in_build_bucket(self) -> "AbstractKDTree":
+        """This tree as the same tree of its build bucket's number of points, whose
+        eager queries share one program with every tree of that bucket (see
+        `KDTree`); a tree type without buckets returns itself."""
+        return self
+
     def _check_queries(self, x: ArrayLike) -> Queries:
         x = as_float_array("x", x, dtype=self.dtype)
         check_queries_shape("x", x, self.d)
@@ -831,6 +838,29 @@ class KDTree(AbstractSearchTree, AbstractKDTree):
         self.split_queries = bool(split_queries)
         self.engine = resolved
 
+    def _in_build_bucket(self) -> "KDTree":
+        # The points padded to the build's rows (zeros, which no index refers to)
+        # and the sentinel moved to that number, once per tree. Above
+        # `_BUCKETED_UP_TO` points a tree answers as itself: the copy would cost
+        # memory, and such trees are rarely rebuilt at varying sizes.
+        rows = build_bucket(self.n, self.leaf_size)
+        if rows == self.n or self.n == 0 or self.n > _BUCKETED_UP_TO:
+            return self
+        sources = _bucket_sources(self)
+        key = id(self.leaf_indices)
+        cached = _IN_BUILD_BUCKET.get(key)
+        if cached is not None and cached[0] == sources:
+            return cached[1]
+        view = object.__new__(KDTree)
+        for field in dataclasses.fields(self):
+            object.__setattr__(view, field.name, getattr(self, field.name))
+        indices = sentinels_moved(self.leaf_indices, self.node_min_index, self.n, rows)
+        object.__setattr__(view, "points", pad_rows(self.points, rows, fill="zeros"))
+        object.__setattr__(view, "leaf_indices", indices[0])
+        object.__setattr__(view, "node_min_index", indices[1])
+        _remember_bucket_view(self, key, sources, view)
+        return view
+
     def _halves_as_leaves(self) -> "KDTree":
         """This tree one level deeper: each leaf's halves as leaves of their own (the
         same arrays, twice the leaves). Without halves, this tree itself."""
@@ -876,6 +906,28 @@ class KDTree(AbstractSearchTree, AbstractKDTree):
 
 
 _rows_at = jax.jit(rows_at)
+
+# Trees of at most this many points answer eager queries as their build bucket.
+_BUCKETED_UP_TO = 1 << 20
+# `id(tree.leaf_indices)` -> (the ids of the tree's arrays, its view as its build
+# bucket): the view is made once per tree and dropped with it.
+_IN_BUILD_BUCKET: dict[int, tuple[tuple[int, ...], "KDTree"]] = {}
+
+
+def _bucket_sources(tree: "KDTree") -> tuple[int, ...]:
+    """The identity of the arrays a view as the build bucket is made from."""
+    return tuple(
+        id(array)
+        for array in (tree.points, tree.leaf_points, tree.leaf_indices, tree.node_lo)
+    ) + (tree.leaf_size, hash(tree.engine), int(tree.split_queries))
+
+
+def _remember_bucket_view(tree: "KDTree", key: int, sources, view: "KDTree") -> None:
+    # The entry lives as long as the tree's `leaf_indices` (its key), which the view
+    # does not hold (it holds the moved copy), so the entry keeps no tree alive.
+    if key not in _IN_BUILD_BUCKET:
+        weakref.finalize(tree.leaf_indices, _IN_BUILD_BUCKET.pop, key, None)
+    _IN_BUILD_BUCKET[key] = (sources, view)
 
 
 def _outer_reach(r: Array, metric: Minkowski) -> tuple[Array, Minkowski]:
