@@ -19,7 +19,7 @@ these.
 Two checks: the total energy is conserved, and the trajectory equals that of the
 same run with a list allocated large enough from the start.
 
-    python examples/md_overflow.py                        # 512 particles, seconds
+    python examples/md_overflow.py                        # 216 particles, seconds
     python examples/md_overflow.py --side 12 --steps 3000
     KDEQX_FULL=1 python examples/md_overflow.py
 """
@@ -150,9 +150,9 @@ def nearest_image(difference, cell):
 def main():
     parser = argparse.ArgumentParser(description="MD that reallocates on overflow.")
     parser.add_argument(
-        "--side", type=int, default=16 if FULL else 8, help="side**3 particles"
+        "--side", type=int, default=16 if FULL else 6, help="side**3 particles"
     )
-    parser.add_argument("--steps", type=int, default=5_000 if FULL else 600)
+    parser.add_argument("--steps", type=int, default=5_000 if FULL else 300)
     args = parser.parse_args()
 
     n = args.side**3
