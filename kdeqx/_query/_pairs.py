@@ -19,6 +19,7 @@ from .._backend._mesh import split_sum_over_cpu_devices
 from .._custom_types import Array, Bool, Float, Int
 from .._engine._base import AbstractSearchTree
 from .._engine._bits import bitmasks, laid_out, nth_set_bit, set_bit_count, WORD
+from .._engine._blocks import walk_blocks
 from .._engine._metric import Block, minimum_image, Minkowski, wrap_into_box
 from .._engine._search import (
     far_queries,
@@ -325,6 +326,9 @@ class _CountsWithin(AbstractVisitor):
     def should_visit(self, state, box_d2, min_index) -> Bool[Array, ""]:
         return box_d2 <= self.radii2[-1]
 
+    def reach(self, state) -> Float[Array, ""]:
+        return self.radii2[-1]
+
     def visit_leaf(self, state, d2, indices) -> tuple[Array, Array]:
         counts, estimate = state
         inside = d2[:, None] <= self.radii2
@@ -389,10 +393,18 @@ def counts_within(
 @split_sum_over_cpu_devices
 def _summed_walk(tree, x, row_weights, visitor, metric):
     """The visitor's final states over all queries, each weighted, summed."""
+    if tree.engine == "blocks":  # the states of every query, then their sum
+        states, _ = walk_blocks(tree, x, visitor, metric, None)
+        return jax.tree.map(lambda s: _weighted_sum(s, row_weights), states)
     states, _ = walk_many(
         tree, x, visitor, metric, None, summed=True, query_weights=row_weights
     )
     return states
+
+
+def _weighted_sum(states: Array, weights: Array) -> Array:
+    weights = weights.astype(states.dtype).reshape(-1, *(1,) * (states.ndim - 1))
+    return jnp.sum(states * weights, axis=0, dtype=states.dtype)
 
 
 def _far_counts(far: FarQueries, radii, x_weights, weights, n: int, count_dtype):

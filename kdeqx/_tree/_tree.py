@@ -816,8 +816,9 @@ class KDTree(AbstractSearchTree, AbstractKDTree):
             operations: the shape of work that a TPU or GPU runs well. `"auto"`
             (default): the walk where JAX's default backend is the CPU, blocks
             elsewhere, decided when the tree is built. Both run on every backend.
-            `kNN`, radius counts and ball queries, and interpolation take either;
-            the pair, graph and many-radii queries walk.
+            `kNN`, radius counts and ball queries, `count_neighbors` and
+            interpolation (the local fits too) take either; the pair and graph
+            queries walk.
         - `leafsize`, `boxsize`: scipy's names for `leaf_size` and `box`, for scripts
             written for `scipy.spatial.cKDTree` (giving both names raises).
         """
