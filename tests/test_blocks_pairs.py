@@ -1,5 +1,5 @@
-"""The block engine beyond kNN and radius queries: `count_neighbors` and the local
-fits, against scipy and the walk."""
+"""The block engine beyond kNN and radius queries: `count_neighbors`, the local fits
+and `knn_graph`, against scipy and the walk."""
 
 import equinox as eqx
 import jax
@@ -69,3 +69,39 @@ def test_local_fits_and_gradients_equal_the_walk(kernel):
     np.testing.assert_array_equal(neighbours[0], neighbours[1])
     np.testing.assert_allclose(answers[0][0], answers[1][0], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(answers[0][1], answers[1][1], rtol=1e-3, atol=1e-3)
+
+
+def _same_graph(a, b):
+    for name in ("senders", "receivers", "shifts", "count", "overflow"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    np.testing.assert_allclose(a.distances, b.distances, rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["free, batch", "triclinic", "a cell per system"])
+def test_knn_graph_on_blocks_equals_the_walk(case):
+    rng = np.random.default_rng(14)
+    n, k = 400, 6
+    kwargs = {}
+    points = rng.random((n, 3)).astype(np.float32)
+    if case == "free, batch":
+        kwargs["batch"] = np.sort(rng.integers(0, 5, n))
+    elif case == "triclinic":
+        cell = np.array([[4.0, 0, 0], [1.0, 3.5, 0], [0.5, -0.7, 3.0]], np.float32)
+        points, kwargs["cell"] = points @ cell, cell
+    else:
+        ids = np.sort(rng.integers(0, 3, n))
+        cells = np.stack([np.eye(3) * 3, np.eye(3) * 4, np.eye(3) * 3.5])
+        cells[1, 1, 0] = 0.8
+        cells = cells.astype(np.float32)
+        points = np.einsum("ni,nij->nj", points, cells[ids])
+        kwargs.update(cell=cells, batch=ids)
+    walk = kdeqx.knn_graph(points, k, engine="walk", **kwargs)
+    blocks = kdeqx.knn_graph(points, k, engine="blocks", **kwargs)
+    _same_graph(walk, blocks)
+    # and each point's k nearest, as the graph says, against scipy in free space
+    if case == "free, batch":
+        for segment in np.unique(kwargs["batch"]):
+            rows = np.flatnonzero(kwargs["batch"] == segment)
+            _, want = cKDTree(points[rows]).query(points[rows], k + 1)
+            got = np.asarray(blocks.receivers).reshape(n, k)[rows]
+            assert [set(r) for r in got] == [set(rows[w[1:]]) for w in want]

@@ -28,7 +28,7 @@ from .._engine._search import rows_at, search_threshold
 from .._engine._traverse import AbstractEmitter, Sink, walk_many
 from .._query import _knn
 from .._query._pairs import unpacked
-from .._tree._tree import check_points, KDTree
+from .._tree._tree import check_engine, check_points, KDTree
 from .._validate import (
     as_float_array,
     check_finite,
@@ -390,6 +390,7 @@ def knn_graph(
     self_loops: bool = False,
     images: int | tuple[int, ...] | None = None,
     leaf_size: int = 32,
+    engine: str = "auto",
 ) -> NeighborGraph:
     """Each point's `k` nearest neighbours (Euclidean), as a `NeighborGraph` with
     `n * k` entries: point `i` sends to its neighbours.
@@ -406,14 +407,19 @@ def knn_graph(
     itself (at distance 0) as one of them. `images` defaults to 1 (searched cells
     on either side along each periodic axis); a point whose `k`-th neighbour lies
     farther than the images searched can reach raises an error (eagerly, or
-    `eqx.error_if` under `jit`).
+    `eqx.error_if` under `jit`). `engine` chooses how the neighbours are searched,
+    as `KDTree`'s (`"auto"`: the walk on a CPU, blocks on an accelerator); the
+    graph is the same.
     """
     points = check_points("points", points)
     n, d = points.shape
     k = check_static_int("k", k, 1)
+    engine = check_engine(engine)
     cell_, segment, systems = cell_and_segments(cell, pbc, batch, n, d, points.dtype)
     counts = image_counts(cell_, None, images)
-    return _knn_graph(points, k, cell_, segment, systems, counts, self_loops, leaf_size)
+    return _knn_graph(
+        points, k, cell_, segment, systems, counts, self_loops, leaf_size, engine
+    )
 
 
 def cell_and_segments(
@@ -746,7 +752,15 @@ def _unsorted_edges(tree: KDTree, filled: Sink, capacity: int, index_dtype):
 
 @eqx.filter_jit
 def _knn_graph(
-    points, k: int, cell, segment, systems: int | None, counts, self_loops, leaf_size
+    points,
+    k: int,
+    cell,
+    segment,
+    systems: int | None,
+    counts,
+    self_loops,
+    leaf_size,
+    engine: str,
 ):
     n, d = points.shape
     index_dtype = index_dtype_for(n + 1)
@@ -755,7 +769,7 @@ def _knn_graph(
         return _empty_graph(points, 0, index_dtype, segment, systems)
     placed = _placed(points, cell, segment, table, _beyond_every_candidate)
     system = system_of(cell, segment)
-    tree = lax.stop_gradient(KDTree(placed.points, leaf_size=leaf_size))
+    tree = lax.stop_gradient(KDTree(placed.points, leaf_size=leaf_size, engine=engine))
     wanted = k if self_loops else k + 1
     centre = len(table) // 2  # the zero offset
     unbounded = jnp.asarray(jnp.inf, points.dtype)
