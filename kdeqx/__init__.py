@@ -7,6 +7,7 @@ from ._backend._buckets import bucket as bucket, pad_to_bucket as pad_to_bucket
 from ._graph._graph import (
     knn_graph as knn_graph,
     NeighborGraph as NeighborGraph,
+    pad_points_to_bucket as pad_points_to_bucket,
     radius_graph as radius_graph,
 )
 from ._graph._neighbor_list import NeighborList as NeighborList

@@ -202,3 +202,63 @@ def test_pad_to_bucket_shares_a_users_jitted_program(data):
         )
     with pytest.raises(ValueError, match="at least one row"):
         kdeqx.pad_to_bucket(np.zeros((0, 3)))
+
+
+def _same_graph(got, want):
+    for name in ("senders", "receivers", "shifts", "count", "overflow"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), name)
+    np.testing.assert_allclose(got.distances, want.distances, rtol=1e-6)
+
+
+_CELL = np.array([[6.0, 0, 0], [1.0, 5.5, 0], [0.5, -0.7, 6.2]], np.float32)
+
+
+def test_graphs_of_nearby_sizes_share_one_program():
+    rng = np.random.default_rng(5)
+
+    def crystal(n):
+        return (rng.random((n, 3)) @ _CELL).astype(np.float32)
+
+    jax.block_until_ready(kdeqx.radius_graph(crystal(178), 2.0, 9000, cell=_CELL))
+    jax.block_until_ready(kdeqx.knn_graph(crystal(178), 5))
+    for n in (146, 150, 190):
+        x = crystal(n)
+        batch = np.repeat([0, 1], [n // 2, n - n // 2])
+        with _compiles() as counted:
+            graph = kdeqx.radius_graph(x, 2.0, 9000, cell=_CELL)
+            nearest = kdeqx.knn_graph(x, 5)
+        assert counted[0] == 0, n
+        # As the unpadded graphs, under `jit`, where nothing is padded.
+        _same_graph(
+            graph,
+            jax.jit(lambda x: kdeqx.radius_graph(x, 2.0, 9000, cell=_CELL, images=1))(
+                x
+            ),
+        )
+        _same_graph(nearest, jax.jit(lambda x: kdeqx.knn_graph(x, 5))(x))
+        assert graph.batch is None and nearest.senders.shape == (n * 5,)
+        in_segments = kdeqx.radius_graph(x, 2.0, 9000, cell=_CELL, batch=batch)
+        np.testing.assert_array_equal(in_segments.batch, batch)
+        _same_graph(
+            in_segments,
+            jax.jit(lambda x, b: kdeqx.radius_graph(x, 2.0, 9000, cell=_CELL, batch=b))(
+                x, batch
+            ),
+        )
+
+
+def test_padding_points_for_a_users_jit_adds_no_edge():
+    rng = np.random.default_rng(6)
+    x = (rng.random((100, 3)) @ _CELL).astype(np.float32)
+    padded, ids = kdeqx.pad_points_to_bucket(x)
+    assert padded.shape == (128, 3) and ids.shape == (128,)
+    graph = jax.jit(lambda x, b: kdeqx.radius_graph(x, 2.0, 9000, cell=_CELL, batch=b))(
+        padded, ids
+    )
+    want = kdeqx.radius_graph(x, 2.0, 9000, cell=_CELL)
+    real = np.asarray(graph.senders) < 128
+    np.testing.assert_array_equal(np.asarray(graph.senders)[real], want.senders[real])
+    np.testing.assert_array_equal(graph.receivers[real], want.receivers[real])
+    assert int(graph.count) == int(want.count) and np.all(graph.senders[real] < 100)
+    with pytest.raises(TypeError, match="outside `jit`"):
+        jax.jit(kdeqx.pad_points_to_bucket)(x)

@@ -16,11 +16,13 @@ not periodic along carries its points to infinity.
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 
-from .._backend import argsort_keys, sort_edges, sort_edges_in_rows
+from .._backend import argsort_keys, outside_any_trace, sort_edges, sort_edges_in_rows
+from .._backend._buckets import bucket, first_rows, pad_rows
 from .._custom_types import Array, ArrayLike, Bool, Float, Int, PyTree
 from .._engine._bits import bitmasks, set_bit_count, WORD
 from .._engine._metric import Block, EUCLIDEAN, norm_without_overflow
@@ -36,6 +38,7 @@ from .._validate import (
     check_static_int,
     index_dtype_for,
     is_concrete,
+    to_device,
 )
 from ._cell import (
     as_cell,
@@ -366,8 +369,13 @@ def radius_graph(
     )
     cell_, segment, systems = cell_and_segments(cell, pbc, batch, n, d, points.dtype)
     counts = image_counts(cell_, r, images)
-    return _radius_graph(
-        points,
+    padded, rows, given = points, n, segment
+    # One program per bucket of `n`, where no padding point is its own image's.
+    if _pads_eagerly(n, self_loops, systems) and _no_self_images(cell_, r):
+        padded, segment = pad_points_to_bucket(points, segment)
+        rows = padded.shape[0]
+    graph = _radius_graph(
+        padded,
         r,
         cell_,
         segment,
@@ -378,6 +386,9 @@ def radius_graph(
         half,
         leaf_size,
     )
+    if rows == n:
+        return graph
+    return _unpadded(graph, n, rows, max_edges, given)
 
 
 def knn_graph(
@@ -417,8 +428,99 @@ def knn_graph(
     engine = check_engine(engine)
     cell_, segment, systems = cell_and_segments(cell, pbc, batch, n, d, points.dtype)
     counts = image_counts(cell_, None, images)
-    return _knn_graph(
-        points, k, cell_, segment, systems, counts, self_loops, leaf_size, engine
+    padded, rows, given = points, n, segment
+    # In a cell, the padding points' missing neighbours would fail the reach check.
+    if cell_ is None and _pads_eagerly(n, self_loops, systems):
+        padded, segment = pad_points_to_bucket(points, segment)
+        rows = padded.shape[0]
+    graph = _knn_graph(
+        padded, k, cell_, segment, systems, counts, self_loops, leaf_size, engine
+    )
+    if rows == n:
+        return graph
+    return _unpadded(graph, n, rows, n * k, given)
+
+
+def pad_points_to_bucket(
+    points: ArrayLike, batch: ArrayLike | None = None
+) -> tuple[Float[Array, "rows d"], Int[Array, " rows"]]:
+    """Points (and segment ids) padded to their size bucket (see `kdeqx.bucket`), so
+    that graphs of nearby numbers of points share one compiled program.
+
+    Each padding point is a segment of its own (ids after the largest given), so
+    no edge reaches it: `radius_graph` and `knn_graph` of the padded points (with
+    `batch=` the returned ids) have the unpadded graph's edges, on the same rows,
+    with the padding rows' `rows` standing for the sentinel where the unpadded
+    graph has `n`. A `knn_graph`'s first `n * k` entries are the unpadded graph's.
+    Pad outside your `jit`, and give the padding rows any node features; with
+    `self_loops=True` each padding point has its own loop (mask `senders < n`).
+    Not for one cell per system, whose ids must be `0 .. B - 1`, nor for a cutoff
+    beyond the cell, where each padding point meets its own images.
+
+    Called eagerly, `radius_graph` and `knn_graph` (free space) pad this way
+    themselves and return the unpadded graph.
+
+    **Arguments:**
+
+    - `points`: shape `(n, d)`.
+    - `batch`: segment ids of shape `(n,)`, or `None` (one segment, id 0).
+
+    **Returns:** `(points, batch)` with `kdeqx.bucket(n)` rows: the padding points
+    at the origin, their ids increasing after the largest given.
+    """
+    n = np.shape(points)[0]
+    rows = bucket(n)
+    ids = np.zeros(n, np.int32) if batch is None else batch
+    if isinstance(ids, jax.core.Tracer) or isinstance(points, jax.core.Tracer):
+        raise TypeError(
+            "`pad_points_to_bucket` pads outside `jit`: padding changes the shapes "
+            "that a transformation has fixed."
+        )
+    ids = np.asarray(ids)
+    first = int(ids.max()) + 1 if n else 0
+    padding = np.arange(first, first + rows - n, dtype=ids.dtype)
+    padded = to_device(pad_rows(points, rows, fill="zeros"))
+    return padded, jax.device_put(np.concatenate([ids, padding]))
+
+
+def _pads_eagerly(n: int, self_loops: bool, systems: int | None) -> bool:
+    """Whether an eager graph call pads its points to their bucket: outside any
+    trace, where padding changes the shape, and the padding points would form no
+    edge (no self loops, no cell per system)."""
+    return (
+        outside_any_trace()
+        and n > 0
+        and bucket(n) != n
+        and not self_loops
+        and systems is None
+    )
+
+
+def _no_self_images(cell: Cell | None, r) -> bool:
+    """Whether no point has an image of itself within `r` (a concrete cutoff): every
+    translation by whole cell vectors is at least the smallest height between the
+    faces of a periodic axis."""
+    if cell is None:
+        return True
+    heights = jnp.where(cell.periodic, cell.heights(), jnp.inf)
+    return bool(jnp.min(heights) > r)
+
+
+def _unpadded(graph: NeighborGraph, n: int, rows: int, entries: int, batch):
+    """The graph of the padded points as that of the first `n`: its first `entries`
+    entries, the sentinel `rows` back to `n`, and the ids as given."""
+    sentinel = (rows, n)
+    return eqx.tree_at(
+        lambda g: (g.senders, g.receivers, g.shifts, g.distances, g.batch),
+        graph,
+        (
+            first_rows(graph.senders, entries, (entries,), sentinel),
+            first_rows(graph.receivers, entries, (entries,), sentinel),
+            first_rows(graph.shifts, entries, (entries,)),
+            first_rows(graph.distances, entries, (entries,)),
+            batch,
+        ),
+        is_leaf=lambda x: x is None,
     )
 
 
