@@ -912,15 +912,31 @@ _rows_at = jax.jit(rows_at)
 _BUCKETED_UP_TO = 1 << 20
 # `id(tree.leaf_indices)` -> (the ids of the tree's arrays, its view as its build
 # bucket): the view is made once per tree and dropped with it.
-_IN_BUILD_BUCKET: dict[int, tuple[tuple[int, ...], "KDTree"]] = {}
+_IN_BUILD_BUCKET: dict[int, tuple[tuple, "KDTree"]] = {}
 
 
-def _bucket_sources(tree: "KDTree") -> tuple[int, ...]:
-    """The identity of the arrays a view as the build bucket is made from."""
-    return tuple(
-        id(array)
-        for array in (tree.points, tree.leaf_points, tree.leaf_indices, tree.node_lo)
-    ) + (tree.leaf_size, hash(tree.engine), int(tree.split_queries))
+def _bucket_sources(tree: "KDTree") -> tuple:
+    """What a view as the build bucket is made from: the tree's arrays (compared
+    by identity, through weak references, so that a freed array's reused id cannot
+    match) and its static fields."""
+    arrays = [getattr(tree, field.name) for field in dataclasses.fields(tree)]
+    return tuple(_Same(a) if isinstance(a, jax.Array) else a for a in arrays)
+
+
+class _Same:
+    """Equal to another `_Same` of the very same (still living) array."""
+
+    def __init__(self, array: jax.Array):
+        self.ref = weakref.ref(array)
+
+    def __eq__(self, other) -> bool:
+        return (
+            isinstance(other, _Same)
+            and self.ref() is not None
+            and (self.ref() is other.ref())
+        )
+
+    __hash__ = None  # pyright: ignore[reportAssignmentType]
 
 
 def _remember_bucket_view(tree: "KDTree", key: int, sources, view: "KDTree") -> None:
