@@ -147,6 +147,10 @@ def test_errors_name_the_callers_queries(data):
         tree.query(x)
     with pytest.raises(ValueError, match=r"got shape \(5, 2\)"):
         tree.query(np.zeros((5, 2)))
+    with pytest.raises(ValueError, match=r"batch shape \(5,\), got shape \(4,\)"):
+        tree.query(_queries(rng, 5), distance_upper_bound=np.ones(4))
+    with pytest.raises(ValueError, match=r"batch shape \(5,\), got shape \(1,\)"):
+        tree.count_ball_point(_queries(rng, 5), np.ones(1))
 
 
 def _tree_queries(tree, x):

@@ -169,12 +169,11 @@ def queries_in_buckets(*per_query: str, points_in_bucket: bool = False):
                 value = bound.arguments.get(name)
                 if value is None or np.ndim(value) == 0:
                     continue
-                if _is_committed_to_several_devices(value):
+                # Any other shape runs as it is: the method broadcasts it, or says
+                # what is wrong with it.
+                if np.shape(value) != batch or _is_committed_to_several_devices(value):
                     return method(self, x, *args, **kwargs)
-                try:
-                    flat = np.broadcast_to(np.asarray(value), batch).reshape(size)
-                except ValueError:  # the method says what is wrong with it
-                    return method(self, x, *args, **kwargs)
+                flat = np.asarray(value).reshape(size)
                 bound.arguments[name] = pad_rows(flat, rows)
             bound.arguments["x"] = pad_rows(_flattened(x, size), rows)
             answer = method(*bound.args, **bound.kwargs)

@@ -15,6 +15,7 @@ import equinox as eqx
 import jax
 import jax.experimental.sparse
 import jax.numpy as jnp
+import numpy as np
 
 from .._backend import outside_any_trace
 from .._backend._buckets import bucket, pad_rows, queries_in_buckets
@@ -144,7 +145,7 @@ class AbstractKDTree(eqx.Module):
         x = self._check_queries(x)
         bound = jnp.asarray(distance_upper_bound, x.dtype)
         if bound.ndim > 0:
-            bound = jnp.broadcast_to(bound, x.shape[:-1])
+            bound = _broadcast_to_batch("distance_upper_bound", bound, x.shape[:-1])
         found = self._knn(x, bound, _findable(k, self.n), metric)
         distances, indices = _padded(found, k, self.n)
         if ranks == tuple(range(1, k + 1)):
@@ -1023,6 +1024,20 @@ def _split_weights(weights, tree: AbstractKDTree, other: AbstractKDTree):
         None if first is None else check_weights(first, tree.n, other.dtype),
         None if second is None else check_weights(second, other.n, other.dtype),
     )
+
+
+def _broadcast_to_batch(name: str, value: Array, batch: tuple[int, ...]) -> Array:
+    """A per-query argument broadcast to the queries' batch shape."""
+    try:
+        fits = np.broadcast_shapes(value.shape, batch) == batch
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"`{name}` must be a scalar or broadcast to the queries' batch shape "
+            f"{batch}, got shape {tuple(value.shape)}."
+        )
+    return jnp.broadcast_to(value, batch)
 
 
 def _findable(wanted: int, n: int) -> int:
