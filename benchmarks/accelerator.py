@@ -2,7 +2,8 @@
 same chip and scipy's `cKDTree` (`workers=-1`) on the same machine's host cores.
 
     python benchmarks/accelerator.py [--n 1e6] [--queries 1e5] [--k 8]
-        [--brute-queries 1e4] [--shapes] [--skip-jaxkd] [--walk]
+        [--brute-queries 1e4] [--shapes] [--skip-jaxkd] [--walk] [--part2]
+        [--local-queries 1e5]
 
 For n uniform 3-D float32 points and then 64 tight blobs (sigma 0.01; the queries
 uniform in both): the build; kNN (first call: trace, compile and run; then the best
@@ -10,7 +11,11 @@ of three), its answers checked against scipy's; `count_ball_point` at about 32
 neighbours against scipy's `return_length=True`; `query_ball_point` with capacity 64
 against scipy's list query; IDW with k = 8. Brute force (distance tiles and
 `lax.top_k`) is timed on `--brute-queries` queries and scaled to Q. `--shapes` also
-times kNN for a few block shapes (`kdeqx._backend.BlockShape`).
+times kNN for a few block shapes (`kdeqx._backend.BlockShape`). `--part2` also times
+what part 2 moves onto the blocks: `count_neighbors` of the queries' tree (three
+radii) against scipy's, `knn_graph` (k = 16) over every point against scipy's
+`query(k=17)`, and the `rbf` and `mls` fits at k = 32 on `--local-queries` queries
+against scipy's `RBFInterpolator(neighbors=32)`, with their RMSE.
 """
 
 import argparse
@@ -85,6 +90,13 @@ def main():
     parser.add_argument(
         "--walk", action="store_true", help="also time kNN with the walk engine"
     )
+    parser.add_argument(
+        "--part2",
+        action="store_true",
+        help="also the queries that part 2 moves onto the blocks: count_neighbors, "
+        "knn_graph, and the local fits (rbf, mls) at k = 32",
+    )
+    parser.add_argument("--local-queries", type=float, default=1e5)
     args = parser.parse_args()
     n, q, k = int(args.n), int(args.queries), args.k
     print(
@@ -158,6 +170,52 @@ def main():
         idw = jax.jit(lambda m, x: m(x))
         first, best_i, _ = first_and_best(lambda: idw(model, x_dev))
         print(f"IDW k=8 Q={q}: first {first:.2f} s, steady {best_i:.4f} s")
+        if args.part2:
+            part2(tree, ref, pts, queries, r, int(args.local_queries))
+
+
+def part2(tree, ref, pts, queries, r, local_q):
+    """count_neighbors, knn_graph and the local fits on the blocks, beside scipy on
+    the host cores."""
+    other = cKDTree(queries)
+    radii = np.array([r / 2, r, 2 * r])
+    t_pairs, want = host_best(lambda: ref.count_neighbors(other, radii), repeats=1)
+    x_tree = kdeqx.KDTree(jnp.asarray(queries), engine="blocks")
+    pairs = jax.jit(lambda a, b: a.count_neighbors(b, radii))
+    first, best, got = first_and_best(lambda: pairs(tree, x_tree))
+    print(
+        f"count_neighbors, 3 radii: first {first:.2f} s, steady {best:.4f} s = "
+        f"{best / t_pairs:.2f}x scipy ({t_pairs:.4f} s); equal "
+        f"{np.array_equal(np.asarray(got), want)}"
+    )
+    p_dev = jnp.asarray(pts)
+    t_graph, _ = host_best(lambda: ref.query(pts, k=17, workers=-1), repeats=1)
+    graph = jax.jit(lambda p: kdeqx.knn_graph(p, 16, engine="blocks"))
+    first, best, _ = first_and_best(lambda: graph(p_dev), repeats=1)
+    print(
+        f"knn_graph k=16 over every point: first {first:.2f} s, steady {best:.4f} s "
+        f"= {best / t_graph:.2f}x scipy's query(k=17) ({t_graph:.4f} s)"
+    )
+    from scipy.interpolate import RBFInterpolator
+
+    values = np.sin(6 * pts[:, 0]) * np.cos(4 * pts[:, 1])
+    x = queries[:local_q]
+    truth = np.sin(6 * x[:, 0]) * np.cos(4 * x[:, 1])
+    scipy_rbf = RBFInterpolator(pts.astype(np.float64), values, neighbors=32)
+    t_rbf, want = host_best(lambda: scipy_rbf(x.astype(np.float64)), repeats=1)
+    for kernel in ("rbf", "mls"):
+        model = kdeqx.Interpolator(
+            tree, jnp.asarray(values, jnp.float32), k=32, kernel=kernel
+        )
+        fit = jax.jit(lambda m, x: m(x))
+        first, best, got = first_and_best(lambda: fit(model, jnp.asarray(x)), 1)
+        rmse = float(np.sqrt(np.mean((np.asarray(got) - truth) ** 2)))
+        print(
+            f"{kernel} k=32 Q={len(x)}: first {first:.2f} s, steady {best:.4f} s = "
+            f"{best / t_rbf:.2f}x scipy RBFInterpolator(neighbors=32) "
+            f"({t_rbf:.3f} s); RMSE {rmse:.2e} (scipy's "
+            f"{float(np.sqrt(np.mean((want - truth) ** 2))):.2e})"
+        )
 
 
 def shapes(tree, x, k, t_scipy, sd, si):
