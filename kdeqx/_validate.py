@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._backend import all_finite
+from ._backend._buckets import to_device
 from ._custom_types import Array, ArrayLike, Float
 
 
@@ -29,14 +30,6 @@ def as_float_array(name: str, value: ArrayLike, dtype=None) -> Array:
     if not jnp.issubdtype(array.dtype, jnp.floating):
         return array.astype(jnp.result_type(float))
     return array
-
-
-def to_device(value: ArrayLike) -> Array:
-    """`value` as a JAX array. Data from the host is put on the device as it is:
-    `jnp.asarray` would compile a copying program for each new shape."""
-    if isinstance(value, jax.Array):
-        return value
-    return jax.device_put(np.asarray(value))
 
 
 def is_concrete(array: Array) -> bool:

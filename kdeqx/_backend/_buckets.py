@@ -55,23 +55,26 @@ def bucket(size: int) -> int:
 
 
 def _on_host(array) -> bool:
-    """Whether `array` is NumPy data or a `jax.Array` on one CPU device, which NumPy
-    reads in place."""
+    """Whether `array` is NumPy data or a `jax.Array` on the CPU, which NumPy reads
+    in place (or, spread over several CPU devices, gathers by a copy in memory: far
+    cheaper than a `jax.numpy` operation on each device)."""
     if isinstance(array, jax.core.Tracer):
         return False
     if not isinstance(array, jax.Array):
         return True
-    devices = array.devices()
-    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+    return all(device.platform == "cpu" for device in array.devices())
 
 
 def _is_committed_to_several_devices(array) -> bool:
     return isinstance(array, jax.Array) and len(array.devices()) > 1
 
 
-def _to_device(array):
-    # `jax.device_put`, not `jnp.asarray`, which compiles a copy for each new shape.
-    return array if isinstance(array, jax.Array) else jax.device_put(np.asarray(array))
+def to_device(value: ArrayLike) -> Array:
+    """`value` as a JAX array. Data from the host is put on the device as it is:
+    `jnp.asarray` would compile a copying program for each new shape."""
+    if isinstance(value, jax.Array):
+        return value
+    return jax.device_put(np.asarray(value))
 
 
 def pad_rows(array, rows: int, *, fill: str = "first"):
@@ -87,7 +90,7 @@ def pad_rows(array, rows: int, *, fill: str = "first"):
         padding = xp.broadcast_to(array[:1], (missing, *array.shape[1:]))
     else:
         padding = xp.zeros((missing, *array.shape[1:]), array.dtype)
-    return _to_device(xp.concatenate([array, padding]))
+    return to_device(xp.concatenate([array, padding]))
 
 
 def pad_to_bucket(x: ArrayLike) -> Array:
@@ -118,7 +121,7 @@ def pad_to_bucket(x: ArrayLike) -> Array:
             f"`x` must have a leading axis with at least one row, got shape "
             f"{np.shape(x)}."
         )
-    return _to_device(pad_rows(x, bucket(np.shape(x)[0])))
+    return to_device(pad_rows(x, bucket(np.shape(x)[0])))
 
 
 def first_rows(array, rows: int, batch: tuple[int, ...], sentinel=None):
@@ -132,7 +135,7 @@ def first_rows(array, rows: int, batch: tuple[int, ...], sentinel=None):
     if moved and sentinel is not None:
         old, new = sentinel
         array = xp.where(array == old, new, array).astype(array.dtype)
-    return _to_device(array)
+    return to_device(array)
 
 
 def queries_in_buckets(*per_query: str, points_in_bucket: bool = False):

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._backend import argsort_keys, outside_any_trace, sort_edges, sort_edges_in_rows
-from .._backend._buckets import bucket, first_rows, pad_rows
+from .._backend._buckets import bucket, first_rows, pad_rows, to_device
 from .._custom_types import Array, ArrayLike, Bool, Float, Int, PyTree
 from .._engine._bits import bitmasks, set_bit_count, WORD
 from .._engine._metric import Block, EUCLIDEAN, norm_without_overflow
@@ -38,7 +38,6 @@ from .._validate import (
     check_static_int,
     index_dtype_for,
     is_concrete,
-    to_device,
 )
 from ._cell import (
     as_cell,
