@@ -10,8 +10,9 @@ Unless noted, the choices were made on XLA:CPU; the benchmark named beside a cho
 backs it. One module per concept: how many lanes and chunks (`_lanes`), one CPU device
 per core (`_cores`), queries split over devices (`_mesh`), integer sorts
 (`_sorting`), `(distance, index)` pairs (`_pairs`), reductions (`_reductions`),
-scatters and gathers (`_scatters`), complex products (`_complex`) and quick compiles
-(`_compile`). This package re-exports them all.
+scatters and gathers (`_scatters`), complex products (`_complex`), quick compiles
+(`_compile`) and size buckets (`_buckets`, imported from there). This package
+re-exports the others.
 """
 
 from ._compile import (
