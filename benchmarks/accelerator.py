@@ -259,14 +259,25 @@ def jaxkd_knn(p_dev, x_dev, k, best, sd, si):
     start = time.perf_counter()
     tree = jax.block_until_ready(jaxkd.build_tree(p_dev))
     built = time.perf_counter() - start
-    first, jbest, (ji, jd) = first_and_best(
-        lambda: jaxkd.query_neighbors(tree, x_dev, k=k), 1
-    )
-    print(
-        f"jaxkd on chip: build first {built:.2f} s, kNN first {first:.2f} s, "
-        f"steady {jbest:.4f} s; kdeqx {jbest / best:.1f}x faster"
-    )
-    check("jaxkd", jd, ji, sd, si)
+    q = x_dev.shape[0]
+    for part in (q, q // 10, q // 100):  # jaxkd may not fit all queries at once
+        try:
+            first, jbest, (ji, jd) = first_and_best(
+                lambda: jaxkd.query_neighbors(tree, x_dev[:part], k=k), 1
+            )
+        except Exception as error:  # noqa: BLE001
+            print(
+                f"jaxkd on chip, {part} queries: {type(error).__name__}: {error}"[:300]
+            )
+            continue
+        jbest *= q / part
+        print(
+            f"jaxkd on chip: build first {built:.2f} s, kNN first {first:.2f} s, "
+            f"steady {jbest:.4f} s for Q (scaled from {part}); kdeqx "
+            f"{jbest / best:.1f}x faster"
+        )
+        check("jaxkd", jd, ji, sd[:part], si[:part])
+        return
 
 
 if __name__ == "__main__":

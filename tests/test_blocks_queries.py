@@ -10,7 +10,7 @@ from scipy.spatial import cKDTree
 
 import kdeqx
 from kdeqx._backend import _lanes
-from kdeqx._engine._blocks import walk_blocks
+from kdeqx._engine._blocks import CURVE_BITS, curve_order, radix_order, walk_blocks
 from kdeqx._engine._metric import Minkowski
 from kdeqx._query._knn import _KNearest
 
@@ -88,3 +88,18 @@ def test_tiny_budgets_take_every_fallback_and_stay_exact(monkeypatch, dataset, s
     count = jax.jit(lambda t, x: t.count_ball_point(x, 0.2))
     np.testing.assert_array_equal(knn(tree, x)[1], knn(walk, x)[1])
     np.testing.assert_array_equal(count(tree, x), count(walk, x))
+
+
+def test_query_order_is_a_stable_sort_of_the_codes_top_bits():
+    """The radix passes that order queries (and list the blocks to search again)
+    against NumPy's stable sort, with repeated keys."""
+    rng = np.random.default_rng(10)
+    codes = rng.integers(0, 2**30, 1000).astype(np.uint32)
+    codes[::7] = codes[0]
+    order = jax.jit(lambda c: curve_order(c, 30, jnp.int32))(codes)
+    np.testing.assert_array_equal(
+        order, np.argsort(codes >> (30 - CURVE_BITS), kind="stable")
+    )
+    flags = (rng.random(1000) < 0.1).astype(np.uint32)
+    waiting = jax.jit(lambda f: radix_order(f, 1, jnp.int32))(flags)
+    np.testing.assert_array_equal(waiting, np.argsort(flags, kind="stable"))

@@ -4,8 +4,10 @@ The walk (`_traverse.py`) moves each query on its own, one node per step, which 
 a CPU. A vector machine pays for every sequential step and every scalar-indexed
 gather, so this engine does the same search as a few large array operations:
 
-1. The queries are sorted along a Morton curve and cut into blocks of consecutive
-   queries (`kdeqx._backend.query_block_size`), each bounded by its bounding box.
+1. The queries are ordered along a Morton curve (by a radix pass over the codes'
+   top bits: a TPU compiles a long sort for many seconds) and cut into blocks of
+   consecutive queries (`kdeqx._backend.query_block_size`), each bounded by its
+   bounding box.
 2. For a visitor whose reach narrows as it sees points (the k nearest), a first pass
    shows each query the points of a few leaves around the one it descends to
    (`AbstractVisitor.first_points`): its state then bounds how far a point may be
@@ -33,10 +35,10 @@ import jax.lax as lax
 import jax.numpy as jnp
 
 from .._backend import gather_clamped, query_block_shape
-from .._custom_types import Array, Bool, Float, Int, PyTree
+from .._custom_types import Array, Bool, Float, Int, PyTree, UInt
 from ._base import AbstractSearchTree
 from ._metric import minimum_image, Minkowski
-from ._traverse import _Steps, AbstractVisitor, morton_codes
+from ._traverse import _Steps, AbstractVisitor, morton_bits, morton_codes
 
 
 _State = PyTree
@@ -66,8 +68,7 @@ def walk_blocks(
 
     points = typing.cast(Array, jax.vmap(steps.search_point)(x))
     codes = morton_codes(points, steps.tree.node_lo[:, 0], steps.tree.node_hi[:, 0])
-    positions = jnp.arange(q, dtype=index_dtype)
-    _, order = lax.sort((codes, positions), num_keys=1)
+    order = curve_order(codes, morton_bits(x.shape[1]), index_dtype)
     blocks = -(-q // size)
     # Padding queries repeat the last query along the curve: they widen no box.
     rows = jnp.concatenate([order, jnp.full(blocks * size - q, order[-1])])
@@ -118,6 +119,46 @@ def walk_blocks(
     return jax.tree.map(in_input_order, states), flag
 
 
+def curve_order(codes: UInt[Array, " q"], bits: int, index_dtype) -> Int[Array, " q"]:
+    """A permutation that orders Morton codes of `bits` bits by their top
+    `CURVE_BITS` bits, stably."""
+    return radix_order(codes >> max(0, bits - CURVE_BITS), CURVE_BITS, index_dtype)
+
+
+def radix_order(keys: UInt[Array, " q"], bits: int, index_dtype) -> Int[Array, " q"]:
+    """A stable sorting permutation of keys below `2**bits`, without a sort: a
+    radix sort, `RADIX_BITS` a pass (in a loop: one pass compiled), each pass prefix
+    counts of the digits and one scatter."""
+    q = keys.shape[0]
+    radix = 2**RADIX_BITS
+    digits = jnp.arange(radix, dtype=index_dtype)
+
+    def one_pass(p, carry):
+        keys, order = carry
+        shift = (p * RADIX_BITS).astype(keys.dtype)
+        digit = ((keys >> shift) & (radix - 1)).astype(index_dtype)
+        one_hot = digit[:, None] == digits
+        # A key's place: the keys of smaller digits, then those of its own digit
+        # that come before it. The prefix counts run down the long axis of a narrow
+        # table (a TPU compiled a long one-dimensional prefix sum for many seconds).
+        seen = jnp.cumsum(one_hot.astype(index_dtype), axis=0)
+        counts = seen[-1]
+        before = jnp.cumsum(counts) - counts
+        place = jnp.sum(jnp.where(one_hot, seen - 1 + before, 0), axis=1)
+        keys = jnp.zeros_like(keys).at[place].set(keys, unique_indices=True)
+        order = jnp.zeros_like(order).at[place].set(order, unique_indices=True)
+        return keys, order
+
+    start = (keys, jnp.arange(q, dtype=index_dtype))
+    return lax.fori_loop(0, -(-bits // RADIX_BITS), one_pass, start)[1]
+
+
+# Queries are ordered by the top `CURVE_BITS` bits of their Morton codes (cells of
+# about `2**(-CURVE_BITS / d)` of the tree's extent), `RADIX_BITS` a radix pass.
+CURVE_BITS = 16
+RADIX_BITS = 4
+
+
 def _flat(tree: PyTree, axis: int | None) -> PyTree:
     """Blocks of queries `(blocks, size, ...)` as blocks of one `(blocks * size, 1,
     ...)` (a shared visitor, `axis=None`, as it is)."""
@@ -132,7 +173,7 @@ def _alone(steps, x, visitors, visitor_axis, init, reach, states, redo, shape):
     q = x.shape[0]
     group = max(1, q // ALONE_FRACTION)
     index_dtype = steps.tree.leaf_indices.dtype
-    _, waiting = lax.sort((~redo, jnp.arange(q, dtype=index_dtype)), num_keys=1)
+    waiting = radix_order((~redo).astype(jnp.uint32), 1, index_dtype)
     count = jnp.sum(redo, dtype=index_dtype)
     budget, chunk = (
         ALONE_BUDGET_FACTOR * shape.budget,

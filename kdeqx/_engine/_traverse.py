@@ -481,6 +481,12 @@ def walk(tree, x: Query, visitor: AbstractVisitor, metric: Minkowski) -> _State:
     return lax.while_loop(lambda c: (c[0] >> 2) >= 0, visit_then_move_on, first)[2]
 
 
+def morton_bits(d: int) -> int:
+    """How many bits `morton_codes` sets in `d` dimensions."""
+    dims = min(d, 30)
+    return 30 // dims * dims
+
+
 def morton_codes(
     x: Float[Array, "q d"], lo: Float[Array, " d"], hi: Float[Array, " d"]
 ) -> UInt[Array, " q"]:
