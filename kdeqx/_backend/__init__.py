@@ -86,4 +86,5 @@ from ._sorting import (
     argsort_keys_reference as argsort_keys_reference,
     enable_x64_locally as enable_x64_locally,
     float32_sort_keys as float32_sort_keys,
+    smallest_first as smallest_first,
 )
