@@ -10,7 +10,12 @@ from scipy.spatial import cKDTree
 
 import kdeqx
 from kdeqx._backend import _lanes
-from kdeqx._engine._blocks import CURVE_BITS, curve_order, radix_order, walk_blocks
+from kdeqx._engine._blocks import (
+    CURVE_BITS,
+    curve_order,
+    stable_partition,
+    walk_blocks,
+)
 from kdeqx._engine._metric import Minkowski
 from kdeqx._query._knn import _KNearest
 
@@ -91,15 +96,15 @@ def test_tiny_budgets_take_every_fallback_and_stay_exact(monkeypatch, dataset, s
 
 
 def test_query_order_is_a_stable_sort_of_the_codes_top_bits():
-    """The radix passes that order queries (and list the blocks to search again)
-    against NumPy's stable sort, with repeated keys."""
+    """The radix passes that order queries on a TPU (and list the blocks to search
+    again) against NumPy's stable sort, with repeated keys; and the sorts elsewhere."""
     rng = np.random.default_rng(10)
     codes = rng.integers(0, 2**30, 1000).astype(np.uint32)
     codes[::7] = codes[0]
-    order = jax.jit(lambda c: curve_order(c, 30, jnp.int32))(codes)
-    np.testing.assert_array_equal(
-        order, np.argsort(codes >> (30 - CURVE_BITS), kind="stable")
-    )
-    flags = (rng.random(1000) < 0.1).astype(np.uint32)
-    waiting = jax.jit(lambda f: radix_order(f, 1, jnp.int32))(flags)
-    np.testing.assert_array_equal(waiting, np.argsort(flags, kind="stable"))
+    flags = rng.random(1000) < 0.1
+    for backend in ("tpu", "cpu"):
+        order = jax.jit(lambda c: curve_order(c, 30, jnp.int32, backend))(codes)
+        keys = codes >> (30 - CURVE_BITS) if backend == "tpu" else codes
+        np.testing.assert_array_equal(order, np.argsort(keys, kind="stable"))
+        waiting = jax.jit(lambda f: stable_partition(f, jnp.int32, backend))(flags)
+        np.testing.assert_array_equal(waiting, np.argsort(~flags, kind="stable"))

@@ -4,8 +4,8 @@ The walk (`_traverse.py`) moves each query on its own, one node per step, which 
 a CPU. A vector machine pays for every sequential step and every scalar-indexed
 gather, so this engine does the same search as a few large array operations:
 
-1. The queries are ordered along a Morton curve (by a radix pass over the codes'
-   top bits: a TPU compiles a long sort for many seconds) and cut into blocks of
+1. The queries are ordered along a Morton curve (on a TPU by radix passes over the
+   codes' top bits: it compiles a long sort for many seconds) and cut into blocks of
    consecutive queries (`kdeqx._backend.query_block_size`), each bounded by its
    bounding box.
 2. For a visitor whose reach narrows as it sees points (the k nearest), a first pass
@@ -120,10 +120,33 @@ def walk_blocks(
     return jax.tree.map(in_input_order, states), flag
 
 
-def curve_order(codes: UInt[Array, " q"], bits: int, index_dtype) -> Int[Array, " q"]:
-    """A permutation that orders Morton codes of `bits` bits by their top
-    `CURVE_BITS` bits, stably."""
+def curve_order(
+    codes: UInt[Array, " q"], bits: int, index_dtype, backend: str | None = None
+) -> Int[Array, " q"]:
+    """A permutation that orders Morton codes of `bits` bits, stably: on a TPU by
+    their top `CURVE_BITS` bits (`radix_order`), elsewhere by one sort of the whole
+    codes (fast to compile and run there). `backend` defaults to
+    `jax.default_backend()`."""
+    if not _sorts_compile_slowly(backend):
+        positions = jnp.arange(codes.shape[0], dtype=index_dtype)
+        return lax.sort((codes, positions), num_keys=1)[1]
     return radix_order(codes >> max(0, bits - CURVE_BITS), CURVE_BITS, index_dtype)
+
+
+def stable_partition(
+    flags: Bool[Array, " q"], index_dtype, backend: str | None = None
+) -> Int[Array, " q"]:
+    """The positions where `flags` is set, in order, then the others, in order."""
+    if not _sorts_compile_slowly(backend):
+        positions = jnp.arange(flags.shape[0], dtype=index_dtype)
+        return lax.sort((~flags, positions), num_keys=1)[1]
+    return radix_order((~flags).astype(jnp.uint32), 1, index_dtype)
+
+
+def _sorts_compile_slowly(backend: str | None) -> bool:
+    """Whether a long sort takes many seconds to compile: on a TPU (see
+    `benchmarks/accelerator.py`)."""
+    return (jax.default_backend() if backend is None else backend) == "tpu"
 
 
 def radix_order(keys: UInt[Array, " q"], bits: int, index_dtype) -> Int[Array, " q"]:
@@ -174,7 +197,7 @@ def _alone(steps, x, visitors, visitor_axis, init, reach, states, redo, shape):
     q = x.shape[0]
     group = max(1, q // ALONE_FRACTION)
     index_dtype = steps.tree.leaf_indices.dtype
-    waiting = radix_order((~redo).astype(jnp.uint32), 1, index_dtype)
+    waiting = stable_partition(redo, index_dtype)
     count = jnp.sum(redo, dtype=index_dtype)
     budget, chunk = (
         ALONE_BUDGET_FACTOR * shape.budget,
