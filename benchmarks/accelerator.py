@@ -223,6 +223,7 @@ def shapes(tree, x, k, t_scipy, sd, si):
     for block in (8, 16, 32):
         for nearest, budget, chunk in ((32, 128, 16), (16, 128, 16), (32, 256, 32)):
             _lanes._BLOCK_SHAPE = _lanes.BlockShape(block, nearest, budget, chunk)
+            jax.clear_caches()  # else the query's cached trace keeps the old shape
             knn = jax.jit(lambda t, x: t.query(x, k=k))
             first, best, (d, i) = first_and_best(lambda: knn(tree, x), 2)
             equal = np.mean(np.asarray(i) == si)
@@ -232,6 +233,7 @@ def shapes(tree, x, k, t_scipy, sd, si):
                 f"equal {equal:.6f}; blocks overflowed {overflowed(tree, x, k)}"
             )
     _lanes._BLOCK_SHAPE = default
+    jax.clear_caches()
 
 
 def overflowed(tree, x, k):

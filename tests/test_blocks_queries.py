@@ -74,10 +74,16 @@ def test_vmap_over_trees():
 @pytest.mark.parametrize(
     "dataset, shape", [("uniform", (4, 2, 4, 2)), ("clustered", (8, 1, 2, 1))]
 )
-def test_tiny_budgets_take_every_fallback_and_stay_exact(monkeypatch, dataset, shape):
+def test_tiny_budgets_take_every_fallback_and_stay_exact(
+    monkeypatch, request, dataset, shape
+):
     """Budgets far too small: blocks overflow, narrow their reach in rounds, are
     searched query by query, and those take every leaf; the answers stay exact."""
     monkeypatch.setattr(_lanes, "_BLOCK_SHAPE", _lanes.BlockShape(*shape))
+    # The queries' traces are cached by their static arguments, which hold no shape:
+    # without this, they would reuse programs of the default shape.
+    jax.clear_caches()
+    request.addfinalizer(jax.clear_caches)  # nor may later tests reuse these
     rng = np.random.default_rng(8)
     points = DATASETS[dataset](rng, 600, 3).astype(np.float32)
     x = rng.random((90, 3)).astype(np.float32)
