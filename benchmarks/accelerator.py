@@ -2,8 +2,8 @@
 same chip and scipy's `cKDTree` (`workers=-1`) on the same machine's host cores.
 
     python benchmarks/accelerator.py [--n 1e6] [--queries 1e5] [--k 8]
-        [--brute-queries 1e4] [--shapes] [--skip-jaxkd] [--walk] [--part2]
-        [--local-queries 1e5]
+        [--brute-queries 1e4] [--shapes] [--compile-report] [--skip-jaxkd] [--walk]
+        [--part2] [--local-queries 1e5]
 
 For n uniform 3-D float32 points and then 64 tight blobs (sigma 0.01; the queries
 uniform in both): the build; kNN (first call: trace, compile and run; then the best
@@ -11,11 +11,12 @@ of three), its answers checked against scipy's; `count_ball_point` at about 32
 neighbours against scipy's `return_length=True`; `query_ball_point` with capacity 64
 against scipy's list query; IDW with k = 8. Brute force (distance tiles and
 `lax.top_k`) is timed on `--brute-queries` queries and scaled to Q. `--shapes` also
-times kNN for a few block shapes (`kdeqx._backend.BlockShape`). `--part2` also times
-what part 2 moves onto the blocks: `count_neighbors` of the queries' tree (three
-radii) against scipy's, `knn_graph` (k = 16) over every point against scipy's
-`query(k=17)`, and the `rbf` and `mls` fits at k = 32 on `--local-queries` queries
-against scipy's `RBFInterpolator(neighbors=32)`, with their RMSE.
+times kNN for a few block shapes (`kdeqx._backend.BlockShape`); `--compile-report`
+compiles the build and kNN again, apart, and counts the sorts in them. `--part2`
+also times what part 2 moves onto the blocks: `count_neighbors` of the queries'
+tree (three radii) against scipy's, `knn_graph` (k = 16) over every point against
+scipy's `query(k=17)`, and the `rbf` and `mls` fits at k = 32 on `--local-queries`
+queries against scipy's `RBFInterpolator(neighbors=32)`, with their RMSE.
 """
 
 import argparse
@@ -86,6 +87,12 @@ def main():
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--brute-queries", type=float, default=1e4)
     parser.add_argument("--shapes", action="store_true")
+    parser.add_argument(
+        "--compile-report",
+        action="store_true",
+        help="after the first calls, compile the build and kNN again, apart: trace "
+        "and lower, compile, and the sorts in the compiled program",
+    )
     parser.add_argument("--skip-jaxkd", action="store_true")
     parser.add_argument(
         "--walk", action="store_true", help="also time kNN with the walk engine"
@@ -128,6 +135,9 @@ def main():
             f"{best / t_scipy:.2f}x scipy workers=-1"
         )
         check("kdeqx", d, i, sd, si)
+        if args.compile_report:
+            compile_report("build", lambda p: kdeqx.KDTree(p, engine="blocks"), p_dev)
+            compile_report("kNN", lambda t, x: t.query(x, k=k), tree, x_dev)
         if args.walk:
             walk_tree = kdeqx.KDTree(p_dev, engine="walk")
             wf, wb, _ = first_and_best(lambda: knn(walk_tree, x_dev))
@@ -216,6 +226,22 @@ def part2(tree, ref, pts, queries, r, local_q):
             f"({t_rbf:.3f} s); RMSE {rmse:.2e} (scipy's "
             f"{float(np.sqrt(np.mean((want - truth) ** 2))):.2e})"
         )
+
+
+def compile_report(name, fn, *args):
+    """Seconds to trace and lower `fn`, then to compile it, afresh, and how many
+    sorts its compiled program holds (a TPU compiles each for seconds)."""
+    jax.clear_caches()
+    start = time.perf_counter()
+    lowered = jax.jit(fn).lower(*args)
+    traced = time.perf_counter() - start
+    compiled = lowered.compile()
+    compiling = time.perf_counter() - start - traced
+    sorts = (compiled.as_text() or "").count(" sort(")
+    print(
+        f"  {name} compiled apart: trace and lower {traced:.2f} s, compile "
+        f"{compiling:.2f} s, {sorts} sorts"
+    )
 
 
 def shapes(tree, x, k, t_scipy, sd, si):
