@@ -9,13 +9,8 @@ import pytest
 from scipy.spatial import cKDTree
 
 import kdeqx
-from kdeqx._backend import _lanes
-from kdeqx._engine._blocks import (
-    CURVE_BITS,
-    curve_order,
-    stable_partition,
-    walk_blocks,
-)
+from kdeqx._backend import _lanes, stable_partition
+from kdeqx._engine._blocks import CURVE_BITS, curve_order, walk_blocks
 from kdeqx._engine._metric import Minkowski
 from kdeqx._query._knn import _KNearest
 

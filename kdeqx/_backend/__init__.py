@@ -86,5 +86,8 @@ from ._sorting import (
     argsort_keys_reference as argsort_keys_reference,
     enable_x64_locally as enable_x64_locally,
     float32_sort_keys as float32_sort_keys,
+    radix_order as radix_order,
     smallest_first as smallest_first,
+    sorts_compile_slowly as sorts_compile_slowly,
+    stable_partition as stable_partition,
 )

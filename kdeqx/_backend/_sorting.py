@@ -1,5 +1,9 @@
-"""Sorting: one sort of packed 64-bit integers. XLA:CPU sorts a single integer array
-several times faster than a (key, index) pair, which is what `jnp.argsort` sorts."""
+"""Sorting and selection.
+
+- One sort of packed 64-bit integers: XLA:CPU sorts a single integer array several
+  times faster than a (key, index) pair, which is what `jnp.argsort` sorts.
+- Without a sort, where sorts compile slowly (a TPU): a radix sort of short keys, a
+  stable partition, and an exact selection of the smallest entries of rows."""
 
 import importlib
 
@@ -7,7 +11,7 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 
-from .._custom_types import Array, Float, Int, UInt
+from .._custom_types import Array, Bool, Float, Int, UInt
 
 
 def enable_x64_locally():
@@ -58,9 +62,12 @@ def smallest_first(
     Ties may be ordered differently on the two paths. `backend` defaults to
     `jax.default_backend()`.
     """
-    backend = jax.default_backend() if backend is None else backend
     narrow = x.shape[-1] < TPU_SELECTION_WIDTH * k
-    if backend == "tpu" and narrow and x.dtype in (jnp.float32, jnp.bfloat16):
+    if (
+        sorts_compile_slowly(backend)
+        and narrow
+        and x.dtype in (jnp.float32, jnp.bfloat16)
+    ):
         values, positions = lax.approx_min_k(x, k, recall_target=EXACT_RECALL)
         return values, positions
     negated, positions = lax.top_k(-x, k)
@@ -74,3 +81,52 @@ TPU_SELECTION_WIDTH = 128
 # `N`: with this recall that is `N` for every row shorter than `1.6e7 (k - 1)`, and
 # `k = 1` is exact at any recall.
 EXACT_RECALL = 1 - 2**-24
+
+
+def stable_partition(
+    flags: Bool[Array, " q"], index_dtype, backend: str | None = None
+) -> Int[Array, " q"]:
+    """The positions where `flags` is set, in order, then the others, in order."""
+    if not sorts_compile_slowly(backend):
+        positions = jnp.arange(flags.shape[0], dtype=index_dtype)
+        return lax.sort((~flags, positions), num_keys=1)[1]
+    return radix_order((~flags).astype(jnp.uint32), 1, index_dtype)
+
+
+def sorts_compile_slowly(backend: str | None = None) -> bool:
+    """Whether a long sort (or a narrow `top_k`) takes seconds to compile: on a TPU
+    (see `benchmarks/accelerator.py`). `backend` defaults to
+    `jax.default_backend()`."""
+    return (jax.default_backend() if backend is None else backend) == "tpu"
+
+
+def radix_order(keys: UInt[Array, " q"], bits: int, index_dtype) -> Int[Array, " q"]:
+    """A stable sorting permutation of keys below `2**bits`, without a sort: a
+    radix sort, `RADIX_BITS` a pass (in a loop: one pass compiled), each pass prefix
+    counts of the digits and one scatter."""
+    q = keys.shape[0]
+    radix = 2**RADIX_BITS
+    digits = jnp.arange(radix, dtype=index_dtype)
+
+    def one_pass(p, carry):
+        keys, order = carry
+        shift = (p * RADIX_BITS).astype(keys.dtype)
+        digit = ((keys >> shift) & (radix - 1)).astype(index_dtype)
+        one_hot = digit[:, None] == digits
+        # A key's place: the keys of smaller digits, then those of its own digit
+        # that come before it. The prefix counts run down the long axis of a narrow
+        # table (a TPU compiled a long one-dimensional prefix sum for many seconds).
+        seen = jnp.cumsum(one_hot.astype(index_dtype), axis=0)
+        counts = seen[-1]
+        before = jnp.cumsum(counts) - counts
+        place = jnp.sum(jnp.where(one_hot, seen - 1 + before, 0), axis=1)
+        keys = jnp.zeros_like(keys).at[place].set(keys, unique_indices=True)
+        order = jnp.zeros_like(order).at[place].set(order, unique_indices=True)
+        return keys, order
+
+    start = (keys, jnp.arange(q, dtype=index_dtype))
+    return lax.fori_loop(0, -(-bits // RADIX_BITS), one_pass, start)[1]
+
+
+# `radix_order` takes `RADIX_BITS` bits a pass.
+RADIX_BITS = 4

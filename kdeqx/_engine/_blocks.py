@@ -35,7 +35,14 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 
-from .._backend import gather_clamped, query_block_shape, smallest_first
+from .._backend import (
+    gather_clamped,
+    query_block_shape,
+    radix_order,
+    smallest_first,
+    sorts_compile_slowly,
+    stable_partition,
+)
 from .._custom_types import Array, Bool, Float, Int, PyTree, UInt
 from ._base import AbstractSearchTree
 from ._metric import minimum_image, Minkowski
@@ -127,60 +134,15 @@ def curve_order(
     their top `CURVE_BITS` bits (`radix_order`), elsewhere by one sort of the whole
     codes (fast to compile and run there). `backend` defaults to
     `jax.default_backend()`."""
-    if not _sorts_compile_slowly(backend):
+    if not sorts_compile_slowly(backend):
         positions = jnp.arange(codes.shape[0], dtype=index_dtype)
         return lax.sort((codes, positions), num_keys=1)[1]
     return radix_order(codes >> max(0, bits - CURVE_BITS), CURVE_BITS, index_dtype)
 
 
-def stable_partition(
-    flags: Bool[Array, " q"], index_dtype, backend: str | None = None
-) -> Int[Array, " q"]:
-    """The positions where `flags` is set, in order, then the others, in order."""
-    if not _sorts_compile_slowly(backend):
-        positions = jnp.arange(flags.shape[0], dtype=index_dtype)
-        return lax.sort((~flags, positions), num_keys=1)[1]
-    return radix_order((~flags).astype(jnp.uint32), 1, index_dtype)
-
-
-def _sorts_compile_slowly(backend: str | None) -> bool:
-    """Whether a long sort takes many seconds to compile: on a TPU (see
-    `benchmarks/accelerator.py`)."""
-    return (jax.default_backend() if backend is None else backend) == "tpu"
-
-
-def radix_order(keys: UInt[Array, " q"], bits: int, index_dtype) -> Int[Array, " q"]:
-    """A stable sorting permutation of keys below `2**bits`, without a sort: a
-    radix sort, `RADIX_BITS` a pass (in a loop: one pass compiled), each pass prefix
-    counts of the digits and one scatter."""
-    q = keys.shape[0]
-    radix = 2**RADIX_BITS
-    digits = jnp.arange(radix, dtype=index_dtype)
-
-    def one_pass(p, carry):
-        keys, order = carry
-        shift = (p * RADIX_BITS).astype(keys.dtype)
-        digit = ((keys >> shift) & (radix - 1)).astype(index_dtype)
-        one_hot = digit[:, None] == digits
-        # A key's place: the keys of smaller digits, then those of its own digit
-        # that come before it. The prefix counts run down the long axis of a narrow
-        # table (a TPU compiled a long one-dimensional prefix sum for many seconds).
-        seen = jnp.cumsum(one_hot.astype(index_dtype), axis=0)
-        counts = seen[-1]
-        before = jnp.cumsum(counts) - counts
-        place = jnp.sum(jnp.where(one_hot, seen - 1 + before, 0), axis=1)
-        keys = jnp.zeros_like(keys).at[place].set(keys, unique_indices=True)
-        order = jnp.zeros_like(order).at[place].set(order, unique_indices=True)
-        return keys, order
-
-    start = (keys, jnp.arange(q, dtype=index_dtype))
-    return lax.fori_loop(0, -(-bits // RADIX_BITS), one_pass, start)[1]
-
-
 # Queries are ordered by the top `CURVE_BITS` bits of their Morton codes (cells of
-# about `2**(-CURVE_BITS / d)` of the tree's extent), `RADIX_BITS` a radix pass.
+# about `2**(-CURVE_BITS / d)` of the tree's extent).
 CURVE_BITS = 16
-RADIX_BITS = 4
 
 
 def _flat(tree: PyTree, axis: int | None) -> PyTree:

@@ -494,7 +494,7 @@ def morton_codes(
     for `w` the least power of two above `hi - lo` (queries outside it share the
     cells on its faces)."""
     dims = min(x.shape[1], 30)
-    bits = 30 // dims
+    bits = morton_bits(dims) // dims
     lo, hi = lo[:dims], hi[:dims]
     # Scaled by a power of two, read off the bits: a division would be a kernel of
     # its own on XLA:CPU (its reciprocal, hoisted).
