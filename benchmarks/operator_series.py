@@ -510,7 +510,9 @@ def points_against_direct(args):
         for order in args.orders:
             runs, firsts, values = [], [], []
             for work in (math.inf, 0):
-                # New callables, so that each is traced with its own threshold.
+                # Traces are cached by the series' structure, which holds no
+                # threshold: each variant is traced and compiled afresh.
+                jax.clear_caches()
                 _recursion.POINTS_FROM_WORK = work
                 series = driven_series(problem, order)
                 run = ft.partial(lambda s: s.normalised(t), series)
