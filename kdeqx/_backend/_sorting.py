@@ -2,8 +2,9 @@
 
 - One sort of packed 64-bit integers: XLA:CPU sorts a single integer array several
   times faster than a (key, index) pair, which is what `jnp.argsort` sorts.
-- Without a sort, where sorts compile slowly (a TPU): a radix sort of short keys, a
-  stable partition, and an exact selection of the smallest entries of rows."""
+- Without a sort, where long sorts compile slowly (a TPU): a radix sort of short
+  keys and a stable partition.
+- The smallest entries of rows."""
 
 import importlib
 
@@ -50,37 +51,19 @@ def argsort_keys_reference(keys: UInt[Array, " m"]) -> Int[Array, " m"]:
 
 
 def smallest_first(
-    x: Float[Array, "*rows m"], k: int, backend: str | None = None
+    x: Float[Array, "*rows m"], k: int
 ) -> tuple[Float[Array, "*rows k"], Int[Array, "*rows k"]]:
     """The `k` smallest entries of each row (the last axis), smallest first, and
-    their positions: `lax.top_k` of `-x`, except on a TPU for rows narrower than
-    `TPU_SELECTION_WIDTH * k`, where `lax.top_k` is a sort that compiles for seconds.
-    There it is `lax.approx_min_k` with a recall target so close to one that XLA
-    splits the row into as many windows as it has entries: nothing is reduced, so
-    the selection is exact, and it compiles in a fraction of the time.
+    their positions: `lax.top_k` of `-x`.
 
-    Ties may be ordered differently on the two paths. `backend` defaults to
-    `jax.default_backend()`.
+    On a TPU, XLA compiles a narrow `lax.top_k` to a sort. Neither an exact
+    `lax.approx_min_k` (also a sort there) nor a selection from counts and small
+    matrix products (no sort at all) compiled the block engine's programs sooner
+    (`benchmarks/accelerator.py --compile-report`): their compile time is not in
+    their sorts.
     """
-    narrow = x.shape[-1] < TPU_SELECTION_WIDTH * k
-    if (
-        sorts_compile_slowly(backend)
-        and narrow
-        and x.dtype in (jnp.float32, jnp.bfloat16)
-    ):
-        values, positions = lax.approx_min_k(x, k, recall_target=EXACT_RECALL)
-        return values, positions
     negated, positions = lax.top_k(-x, k)
     return -negated, positions
-
-
-# On a TPU `lax.top_k` is one selection kernel for rows at least this many times `k`
-# wide, and a sort below (`benchmarks/accelerator.py` ran on such a chip).
-TPU_SELECTION_WIDTH = 128
-# XLA reduces a row of `N` entries to `(k - 1) / -log(recall)` windows, at most
-# `N`: with this recall that is `N` for every row shorter than `1.6e7 (k - 1)`, and
-# `k = 1` is exact at any recall.
-EXACT_RECALL = 1 - 2**-24
 
 
 def stable_partition(

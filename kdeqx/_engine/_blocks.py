@@ -15,8 +15,7 @@ gather, so this engine does the same search as a few large array operations:
    (a radius).
 3. A second pass goes down the tree level by level with each block's frontier of at
    most `budget` nodes, keeping every node whose box lies within the block's reach
-   (the farthest of its queries'), nearest first (`kdeqx._backend.smallest_first`:
-   on a TPU a selection that compiles in a fraction of a sort's time).
+   (the farthest of its queries'), nearest first (`kdeqx._backend.smallest_first`).
 4. The kept leaves are folded into the queries' states a chunk at a time, nearest
    first, as `(block, chunk points)` tiles of powered distances, until a chunk's
    nearest box lies beyond every reach in its block.
