@@ -2,7 +2,8 @@
 same chip and scipy's `cKDTree` (`workers=-1`) on the same machine's host cores.
 
     python benchmarks/accelerator.py [--n 1e6] [--queries 1e5] [--k 8]
-        [--brute-queries 1e4] [--shapes] [--compile-report] [--skip-jaxkd] [--walk]
+        [--brute-queries 1e4] [--shapes] [--compile-report] [--profile]
+        [--skip-jaxkd] [--walk]
         [--part2] [--local-queries 1e5]
 
 For n uniform 3-D float32 points and then 64 tight blobs (sigma 0.01; the queries
@@ -12,7 +13,8 @@ neighbours against scipy's `return_length=True`; `query_ball_point` with capacit
 against scipy's list query; IDW with k = 8. Brute force (distance tiles and
 `lax.top_k`) is timed on `--brute-queries` queries and scaled to Q. `--shapes` also
 times kNN for a few block shapes (`kdeqx._backend.BlockShape`); `--compile-report`
-compiles the build and kNN again, apart, and counts the sorts in them. `--part2`
+compiles the build and kNN again, apart, and counts the sorts in them; `--profile`
+prints the operations where a kNN call spends its device time. `--part2`
 also times what part 2 moves onto the blocks: `count_neighbors` of the queries'
 tree (three radii) against scipy's, `knn_graph` (k = 16) over every point against
 scipy's `query(k=17)`, and the `rbf` and `mls` fits at k = 32 on `--local-queries`
@@ -93,6 +95,12 @@ def main():
         help="after the first calls, compile the build and kNN again, apart: trace "
         "and lower, compile, and the sorts in the compiled program",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the first calls, trace three kNN calls and print the device's "
+        "costliest operations",
+    )
     parser.add_argument("--skip-jaxkd", action="store_true")
     parser.add_argument(
         "--walk", action="store_true", help="also time kNN with the walk engine"
@@ -138,6 +146,8 @@ def main():
         if args.compile_report:
             compile_report("build", lambda p: kdeqx.KDTree(p, engine="blocks"), p_dev)
             compile_report("kNN", lambda t, x: t.query(x, k=k), tree, x_dev)
+        if args.profile:
+            profile("kNN", lambda: knn(tree, x_dev))
         if args.walk:
             walk_tree = kdeqx.KDTree(p_dev, engine="walk")
             wf, wb, _ = first_and_best(lambda: knn(walk_tree, x_dev))
@@ -242,6 +252,36 @@ def compile_report(name, fn, *args):
         f"  {name} compiled apart: trace and lower {traced:.2f} s, compile "
         f"{compiling:.2f} s, {sorts} sorts"
     )
+
+
+def profile(name, fn, calls=3, top=15):
+    """The operations that took the most device time over `calls` calls of `fn`
+    (a loop's time includes its body's), from a `jax.profiler` trace: the
+    accelerator's "XLA Ops", or every host thread's on a CPU."""
+    import glob
+    import tempfile
+    from collections import Counter
+
+    jax.block_until_ready(fn())
+    with tempfile.TemporaryDirectory() as folder:
+        jax.profiler.start_trace(folder)
+        for _ in range(calls):
+            jax.block_until_ready(fn())
+        jax.profiler.stop_trace()
+        (path,) = glob.glob(f"{folder}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(path)
+    device = [p for p in data.planes if p.name.startswith("/device:")]
+    totals, counts = Counter(), Counter()
+    for plane in device or [p for p in data.planes if p.name.startswith("/host:")]:
+        for line in plane.lines:
+            if device and line.name != "XLA Ops":
+                continue
+            for event in line.events:
+                totals[event.name] += event.duration_ns
+                counts[event.name] += 1
+    print(f"  {name} profile, per call (a loop includes its body):")
+    for op, ns in totals.most_common(top):
+        print(f"    {ns / calls / 1e6:9.3f} ms  x{counts[op] // calls:<6d} {op[:100]}")
 
 
 def shapes(tree, x, k, t_scipy, sd, si):
