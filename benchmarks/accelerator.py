@@ -2,7 +2,8 @@
 same chip and scipy's `cKDTree` (`workers=-1`) on the same machine's host cores.
 
     python benchmarks/accelerator.py [--n 1e6] [--queries 1e5] [--k 8]
-        [--brute-queries 1e4] [--shapes] [--compile-report] [--profile]
+        [--brute-queries 1e4] [--shapes] [--compile-report] [--compile-parts]
+        [--profile]
         [--skip-jaxkd] [--walk]
         [--part2] [--local-queries 1e5]
 
@@ -13,7 +14,8 @@ neighbours against scipy's `return_length=True`; `query_ball_point` with capacit
 against scipy's list query; IDW with k = 8. Brute force (distance tiles and
 `lax.top_k`) is timed on `--brute-queries` queries and scaled to Q. `--shapes` also
 times kNN for a few block shapes (`kdeqx._backend.BlockShape`); `--compile-report`
-compiles the build and kNN again, apart, and counts the sorts in them; `--profile`
+compiles the build and kNN again, apart, and counts the sorts in them;
+`--compile-parts` compiles kNN with its later stages cut away; `--profile`
 prints the operations where a kNN call spends its device time. `--part2`
 also times what part 2 moves onto the blocks: `count_neighbors` of the queries'
 tree (three radii) against scipy's, `knn_graph` (k = 16) over every point against
@@ -96,6 +98,12 @@ def main():
         "and lower, compile, and the sorts in the compiled program",
     )
     parser.add_argument(
+        "--compile-parts",
+        action="store_true",
+        help="compile kNN with the block engine's stages cut away one by one: the "
+        "first pass alone, with the main stage, and whole",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="after the first calls, trace three kNN calls and print the device's "
@@ -146,6 +154,8 @@ def main():
         if args.compile_report:
             compile_report("build", lambda p: kdeqx.KDTree(p, engine="blocks"), p_dev)
             compile_report("kNN", lambda t, x: t.query(x, k=k), tree, x_dev)
+        if args.compile_parts:
+            compile_parts(tree, x_dev, k)
         if args.profile:
             profile("kNN", lambda: knn(tree, x_dev))
         if args.walk:
@@ -252,6 +262,37 @@ def compile_report(name, fn, *args):
         f"  {name} compiled apart: trace and lower {traced:.2f} s, compile "
         f"{compiling:.2f} s, {sorts} sorts"
     )
+
+
+def compile_parts(tree, x, k):
+    """kNN compiled afresh with the block engine's later stages cut away (their
+    answers are then incomplete): the first pass alone; with the main stage; and
+    whole, with the search of overflowed blocks' queries alone. Where the compile
+    time goes, stage by stage."""
+    from kdeqx._engine import _blocks
+
+    stage, alone = _blocks._stage, _blocks._alone
+
+    def no_stage(steps, xb, vb, visitor_axis, init, own_reach, *args, **kwargs):
+        # States that read the first pass's reach, which would otherwise go unused.
+        unreached = jnp.any(own_reach < 0)
+        states = jax.tree.map(lambda s: jnp.where(unreached, 0, s), init)
+        return states, jnp.zeros(own_reach.shape[0], bool)
+
+    def no_alone(steps, x, visitors, visitor_axis, init, reach, states, *args):
+        return states
+
+    parts = [
+        ("first pass only", no_stage, no_alone),
+        ("first pass and main stage", stage, no_alone),
+        ("whole", stage, alone),
+    ]
+    try:
+        for label, staged, alone_ in parts:
+            _blocks._stage, _blocks._alone = staged, alone_
+            compile_report(f"kNN, {label},", lambda t, x: t.query(x, k=k), tree, x)
+    finally:
+        _blocks._stage, _blocks._alone = stage, alone
 
 
 def profile(name, fn, calls=3, top=15):
