@@ -24,6 +24,7 @@ from ._complex import (
     complex_factors as complex_factors,
     complex_product as complex_product,
     complex_product_reference as complex_product_reference,
+    FULL_PRECISION as FULL_PRECISION,
 )
 from ._cores import (
     available_cores as available_cores,

@@ -15,7 +15,13 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 
+from .._backend import FULL_PRECISION
 from .._custom_types import Array, Bool, Float
+
+
+def full_product(a: Array, b: Array) -> Array:
+    """`a @ b` at full precision ([`kdeqx._backend.FULL_PRECISION`][])."""
+    return jnp.matmul(a, b, precision=FULL_PRECISION)
 
 
 def _entry_scale(matrix: Float[Array, "*batch m m"]) -> Float[Array, "*batch"]:
@@ -72,7 +78,7 @@ def _eliminate_solve(
         j = m - 1 - i
         row = augmented[pivot_rows[j]]
         # The unknowns after `j` are known, those before still 0.
-        value = (row[m:] - row[:m] @ solution) / row[j]
+        value = (row[m:] - full_product(row[:m], solution)) / row[j]
         return solution.at[j].set(value)
 
     augmented = jnp.concatenate([matrix, rhs.astype(matrix.dtype)], axis=-1)
@@ -162,7 +168,7 @@ def solve_symmetric(
         ridge_signs = jnp.ones(matrix.shape[-1], matrix.dtype)
 
     def matvec(vector):
-        return matrix @ vector
+        return full_product(matrix, vector)
 
     def solve(_, vector):
         return _solve_or_regularise(lax.stop_gradient(matrix), vector, ridge_signs)

@@ -20,7 +20,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 
 from .._custom_types import Array, Float
-from ._dense import solve_symmetric
+from ._dense import full_product, solve_symmetric
 from ._local import AbstractLocalFit, monomial_powers, monomials, squared_norms
 
 
@@ -134,8 +134,8 @@ class MovingLeastSquares(AbstractLocalFit):
         basis = monomials(offsets / jnp.sqrt(radius2), self.powers)
         basis = jnp.where(used[:, None], basis, 0)
         weighted = weights[:, None] * basis
-        gram = weighted.T @ basis
-        moments = weighted.T @ values
+        gram = full_product(weighted.T, basis)
+        moments = full_product(weighted.T, values)
         # A small ridge on the non-constant terms, always on (a switch would break
         # continuity): degenerate neighbourhoods (points on a line, in 2-D) get the
         # least-sloped fit instead of a singular system.

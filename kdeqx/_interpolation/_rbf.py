@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from .._custom_types import Array, Float
 from .._engine._metric import EUCLIDEAN
-from ._dense import solve_symmetric
+from ._dense import full_product, solve_symmetric
 from ._local import (
     AbstractLocalFit,
     count_monomials,
@@ -185,4 +185,6 @@ class LocalRbf(AbstractLocalFit):
         signs = jnp.concatenate([jnp.ones(k), -jnp.ones(r)]).astype(lhs.dtype)
         coefficients = solve_symmetric(lhs, rhs, signs)
         at_query = self._radial(squared_norms(offsets), unit)
-        return at_query @ coefficients[:k] + poly_at_query @ coefficients[k:]
+        return full_product(at_query, coefficients[:k]) + full_product(
+            poly_at_query, coefficients[k:]
+        )

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Complex, Float, Int, Real
 
-from .._backend import complex_factors, complex_product
+from .._backend import complex_factors, complex_product, FULL_PRECISION
 from ._scaled import normalised, powers_of_two, Scaled, ZERO_EXPONENT
 
 
@@ -49,7 +49,7 @@ def weighted_sums(
     one (a `J x L` by `L x n^2` product) takes several times as long."""
     count = weights.shape[0]
     real_weights = jnp.concatenate([weights.real, weights.imag])
-    parts = jnp.tensordot(real_weights, planes, 1)
+    parts = jnp.tensordot(real_weights, planes, 1, precision=FULL_PRECISION)
     by_real, by_imag = parts[:count], parts[count:]
     return lax.complex(by_real[:, 0] - by_imag[:, 1], by_real[:, 1] + by_imag[:, 0])
 
@@ -179,7 +179,8 @@ def _values_as_factors(
     )
     count, length, n = weights.shape[0], planes.shape[0], planes.shape[-1]
     matrix = by_part.reshape(3 * count, 2 * length)
-    values = jnp.tensordot(matrix, planes.reshape(2 * length, n, n), 1)
+    planes = planes.reshape(2 * length, n, n)
+    values = jnp.tensordot(matrix, planes, 1, precision=FULL_PRECISION)
     return values.reshape(3, count, n, n)
 
 
@@ -195,7 +196,8 @@ def _interpolated(
     numbers = (((2,), (1,)), ((0,), (0,)))
     if backend != "cpu":
         return weighted_sums(weights, _planes(complex_product(w, p, numbers, backend)))
-    parts = lax.dot_general(w, p, (((3,), (2,)), ((0, 1), (0, 1))))
+    numbers = (((3,), (2,)), ((0, 1), (0, 1)))
+    parts = lax.dot_general(w, p, numbers, FULL_PRECISION)
     gr, gi = weights.real, weights.imag
     # y = (ac - bd) + i (total - ac - bd); rows (m, plane), columns (part, j).
     by_plane = jnp.stack(
@@ -206,7 +208,8 @@ def _interpolated(
     )
     length, count, n = weights.shape[0], weights.shape[1], w.shape[-1]
     matrix = jnp.moveaxis(by_plane, 2, 0).reshape(2 * length, 3 * count)
-    sums = jnp.tensordot(matrix, parts.reshape(3 * count, n, n), 1)
+    parts = parts.reshape(3 * count, n, n)
+    sums = jnp.tensordot(matrix, parts, 1, precision=FULL_PRECISION)
     sums = sums.reshape(length, 2, n, n)
     return lax.complex(sums[:, 0], sums[:, 1])
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Complex, Inexact, Int, Real
 
-from .._backend import complex_factors, complex_product
+from .._backend import complex_factors, complex_product, FULL_PRECISION
 from ._points import (
     adjoint,
     cauchy_product_at_points,
@@ -74,6 +74,11 @@ def _only_zeroth(reversed_: Array, axis: int) -> Bool[Array, ""]:
     return lax.stop_gradient(jnp.all(past_zeroth == 0))
 
 
+def _weighted(weights: Array, x: Array) -> Array:
+    """`sum_i weights[..., i] x[i]`."""
+    return jnp.tensordot(weights, x, 1, precision=FULL_PRECISION)
+
+
 # A matrix product contracting terms and columns at once, `sum_r A[r] @ B[r]`.
 _SUM_OF_PRODUCTS = (((0, 2), (0, 1)), ((), ()))
 
@@ -95,10 +100,10 @@ def _real_sum_of_products(
     n = x.shape[-1]
     if real_first:
         planes = jnp.concatenate([x.real, x.imag], axis=-1)
-        both = lax.dot_general(real, planes, _SUM_OF_PRODUCTS)
+        both = lax.dot_general(real, planes, _SUM_OF_PRODUCTS, FULL_PRECISION)
         return lax.complex(both[:, :n], both[:, n:])
     planes = jnp.concatenate([x.real, x.imag], axis=-2)
-    both = lax.dot_general(planes, real, _SUM_OF_PRODUCTS)
+    both = lax.dot_general(planes, real, _SUM_OF_PRODUCTS, FULL_PRECISION)
     return lax.complex(both[:n], both[n:])
 
 
@@ -297,11 +302,11 @@ class FactoredTerms(eqx.Module):
         no pass over the other coefficients."""
         weights, top = self.weights(x, m, factor)
         if self.constant_last:
-            others = jnp.tensordot(weights[:-1], x.mantissa, 1)
+            others = _weighted(weights[:-1], x.mantissa)
             constant = weights[-1:, m, None, None] * x.mantissa[m]
             sums = jnp.concatenate([others, constant])
         else:
-            sums = jnp.tensordot(weights, x.mantissa, 1)
+            sums = _weighted(weights, x.mantissa)
         return self.finish(sums, top, generator_first)
 
 
@@ -401,7 +406,7 @@ def _propagators(
                     weights, planes, m, latest, constant_rows
                 )
             else:
-                sums = jnp.tensordot(weights, v.mantissa, 1)
+                sums = _weighted(weights, v.mantissa)
             new_v = hamiltonian.finish(sums[:count], h_top, generator_first=True)
             new_p = observable.finish(sums[count:], x_top, generator_first=True)
         else:

@@ -17,7 +17,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Complex, Inexact, Int, Real, Shaped
 
-from .._backend import outside_any_trace, quick_start_options
+from .._backend import FULL_PRECISION, outside_any_trace, quick_start_options
 from ._recursion import (
     DenseTerms,
     FactoredTerms,
@@ -382,7 +382,9 @@ def _terms(expansion: _Expansion, dtype: Any, length: int) -> Terms:
                 real_scalars=not jnp.iscomplexobj(scalars),
                 constant_last=expansion.constant_last,
             )
-        coefficients = jnp.tensordot(scalars.T, matrices, axes=1)
+        coefficients = jnp.tensordot(
+            scalars.T, matrices, axes=1, precision=FULL_PRECISION
+        )
     else:
         coefficients = lax.optimization_barrier(expansion)
     return DenseTerms.of(_in_precision(coefficients, dtype), length)

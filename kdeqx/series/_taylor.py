@@ -34,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, PyTree, Shaped
 
+from .._backend import FULL_PRECISION
+
 
 class _Series:
     """An environment value that depends on the expansion variable.
@@ -117,7 +119,9 @@ class _Factored:
 
     def coefficients(self) -> Array:
         dtype = self.matrices.dtype
-        total = jnp.tensordot(self.scalars.T, self.matrices, axes=1).astype(dtype)
+        total = jnp.tensordot(
+            self.scalars.T, self.matrices, axes=1, precision=FULL_PRECISION
+        ).astype(dtype)
         if self.constant is None:
             return total
         return total.at[0].add(self.constant.astype(dtype))
@@ -125,7 +129,9 @@ class _Factored:
     def value(self) -> Array:
         """The value at the expansion point."""
         dtype = self.matrices.dtype
-        total = jnp.tensordot(self.scalars[:, 0], self.matrices, axes=1).astype(dtype)
+        total = jnp.tensordot(
+            self.scalars[:, 0], self.matrices, axes=1, precision=FULL_PRECISION
+        ).astype(dtype)
         if self.constant is None:
             return total
         return total + self.constant.astype(dtype)
