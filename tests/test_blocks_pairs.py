@@ -1,5 +1,5 @@
-"""The block engine beyond kNN and radius queries: `count_neighbors`, the local fits
-and `knn_graph`, against scipy and the walk."""
+"""The block engine beyond kNN and radius queries: `count_neighbors`, the local fits,
+`knn_graph` and the pair queries, against scipy and the walk."""
 
 import equinox as eqx
 import jax
@@ -107,3 +107,75 @@ def test_knn_graph_on_blocks_equals_the_walk(case):
             _, want = cKDTree(points[rows]).query(points[rows], k + 1)
             got = np.asarray(blocks.receivers).reshape(n, k)[rows]
             assert [set(r) for r in got] == [set(rows[w[1:]]) for w in want]
+
+
+@pytest.mark.parametrize("budgets", ["default", "tiny"])
+@pytest.mark.parametrize("periodic", [False, True])
+def test_pairs_of_two_trees_on_blocks_equal_scipy(
+    monkeypatch, request, budgets, periodic
+):
+    """`sparse_distance_matrix` of two trees searched by blocks: scipy's entries, and
+    with budgets so small that blocks overflow and are searched again query by query,
+    no pair twice. Over capacity, the true count."""
+    from kdeqx._backend import _lanes
+
+    if budgets == "tiny":
+        monkeypatch.setattr(_lanes, "_BLOCK_SHAPE", _lanes.BlockShape(4, 2, 4, 2))
+        jax.clear_caches()  # the queries' traces hold no shape
+        request.addfinalizer(jax.clear_caches)
+    rng = np.random.default_rng(12)
+    a = DATASETS["clustered"](rng, 400, 3).astype(np.float32)
+    b = rng.random((300, 3)).astype(np.float32)
+    box = 1.0 if periodic else None
+    if periodic:
+        a %= 1.0
+    r = 0.09
+    ours, count = kdeqx.KDTree(a, boxsize=box).sparse_distance_matrix(
+        kdeqx.KDTree(b, leaf_size=8, engine="blocks", boxsize=box), r, max_entries=4096
+    )
+    ref = cKDTree(a, boxsize=box).sparse_distance_matrix(
+        cKDTree(b, boxsize=box), r, output_type="coo_matrix"
+    )
+    assert int(count) == ref.nnz
+    np.testing.assert_allclose(ours.todense(), ref.toarray(), rtol=1e-5, atol=1e-7)
+    _, short = kdeqx.KDTree(a, boxsize=box).sparse_distance_matrix(
+        kdeqx.KDTree(b, leaf_size=8, engine="blocks", boxsize=box), r, max_entries=16
+    )
+    assert int(short) == ref.nnz
+
+
+@pytest.mark.parametrize("budgets", ["default", "tiny"])
+@pytest.mark.parametrize("periodic", [False, True])
+def test_pairs_of_one_tree_on_blocks_equal_scipy(
+    monkeypatch, request, budgets, periodic
+):
+    """`query_pairs` and the tree's own `sparse_distance_matrix` by blocks: scipy's
+    pairs, each once, whatever the budgets; over capacity, the true count."""
+    from kdeqx._backend import _lanes
+
+    if budgets == "tiny":
+        monkeypatch.setattr(_lanes, "_BLOCK_SHAPE", _lanes.BlockShape(4, 2, 4, 2))
+        jax.clear_caches()
+        request.addfinalizer(jax.clear_caches)
+    rng = np.random.default_rng(13)
+    points = DATASETS["clustered"](rng, 500, 3).astype(np.float32) % 1.0
+    box = 1.0 if periodic else None
+    tree = kdeqx.KDTree(points, leaf_size=8, engine="blocks", boxsize=box)
+    reference = cKDTree(points, boxsize=box)
+    r = 0.01
+    expected = reference.query_pairs(r, output_type="ndarray")
+    pairs, _, count = tree.query_pairs(r, max_pairs=4096)
+    assert int(count) == len(expected)
+    found = np.asarray(pairs)[: int(count)]
+    np.testing.assert_array_equal(found, expected[np.lexsort(expected.T[::-1])])
+    _, _, short = tree.query_pairs(r, max_pairs=8)
+    assert int(short) == len(expected)
+    matrix, entries = tree.sparse_distance_matrix(tree, r, max_entries=8192)
+    walk = kdeqx.KDTree(points, leaf_size=8, engine="walk", boxsize=box)
+    walked, walked_entries = walk.sparse_distance_matrix(walk, r, max_entries=8192)
+    ref = reference.sparse_distance_matrix(reference, r, output_type="coo_matrix")
+    assert int(entries) == int(walked_entries)
+    np.testing.assert_allclose(matrix.todense(), ref.toarray(), rtol=1e-5, atol=1e-7)
+    # The same entries; distances to the rounding of two programs' fusions.
+    np.testing.assert_array_equal(matrix.todense() > 0, walked.todense() > 0)
+    np.testing.assert_allclose(matrix.todense(), walked.todense(), rtol=4e-7)

@@ -45,7 +45,7 @@ from .._backend import (
 from .._custom_types import Array, Bool, Float, Int, PyTree, UInt
 from ._base import AbstractSearchTree
 from ._metric import minimum_image, Minkowski
-from ._traverse import _Steps, AbstractVisitor, morton_bits, morton_codes
+from ._traverse import _Steps, AbstractVisitor, morton_bits, morton_codes, Sink
 
 
 _State = PyTree
@@ -67,6 +67,27 @@ def walk_blocks(
     all the same; the flag, or with `count=True` the number of such blocks, is for
     benchmarks and tests).
     """
+    states, _, overflowed = _walk_blocks(tree, x, visitors, metric, visitor_axis, count)
+    return states, overflowed
+
+
+def emit_blocks(
+    tree: AbstractSearchTree,
+    x: Float[Array, "q d"],
+    visitors: AbstractVisitor,
+    metric: Minkowski,
+    sink: Sink,
+) -> Sink:
+    """`walk_many(tree, x, visitors, metric, sink=sink)[1]` by blocks, for visitors
+    (one per query) whose records do not depend on the leaf they come from: the
+    same records appended, in another order. A block emits only once its search is
+    complete, so no record is appended twice."""
+    _, sink, _ = _walk_blocks(tree, x, visitors, metric, 0, False, sink)
+    assert sink is not None
+    return sink
+
+
+def _walk_blocks(tree, x, visitors, metric, visitor_axis, count, sink=None):
     steps = _Steps(tree, metric)
     q = x.shape[0]
     index_dtype = tree.leaf_indices.dtype
@@ -84,6 +105,9 @@ def walk_blocks(
     vb = visitors if visitor_axis is None else _rows(visitors, rows)
     init = _states_at_init(vb, visitor_axis, (blocks, size))
     reach = jax.vmap(jax.vmap(_reach, (visitor_axis, 0)), (visitor_axis, 0))
+    # The padding queries repeat a real one: they must not emit its records again.
+    flat = blocks * size
+    real = (jnp.arange(flat) < q).reshape(blocks, size)
 
     first_points = visitors.first_points()
     if first_points > 0:
@@ -92,7 +116,7 @@ def walk_blocks(
         own_reach = reach(vb, first)
     else:
         own_reach = reach(vb, init)
-    states, overflowed = _stage(
+    states, overflowed, sink = _stage(
         steps,
         xb,
         vb,
@@ -102,11 +126,12 @@ def walk_blocks(
         shape.budget,
         shape.chunk,
         exhaustive=False,
+        sink=sink,
+        real=real,
     )
     # The queries of blocks that overflowed again, each a block of its own, within
     # its own reach: a curve's jump can make a block wide.
-    flat = blocks * size
-    states = _alone(
+    states, sink = _alone(
         steps,
         xb.reshape(flat, 1, -1),
         _flat(vb, visitor_axis),
@@ -114,8 +139,9 @@ def walk_blocks(
         _flat(init, 0),
         own_reach.reshape(flat, 1),
         _flat(states, 0),
-        jnp.repeat(overflowed, size),
+        jnp.repeat(overflowed, size) & real.reshape(flat),
         shape,
+        sink,
     )
 
     def in_input_order(s):
@@ -123,7 +149,7 @@ def walk_blocks(
         return jnp.zeros_like(s).at[order].set(s, unique_indices=True)
 
     flag = jnp.sum(overflowed) if count else jnp.any(overflowed)
-    return jax.tree.map(in_input_order, states), flag
+    return jax.tree.map(in_input_order, states), sink, flag
 
 
 def curve_order(
@@ -152,9 +178,10 @@ def _flat(tree: PyTree, axis: int | None) -> PyTree:
     return jax.tree.map(lambda a: a.reshape(-1, 1, *a.shape[2:]), tree)
 
 
-def _alone(steps, x, visitors, visitor_axis, init, reach, states, redo, shape):
+def _alone(steps, x, visitors, visitor_axis, init, reach, states, redo, shape, sink):
     """`states` with those where `redo` is set replaced by a search of each such
-    query alone (blocks of one), a group of them at a time."""
+    query alone (blocks of one), a group of them at a time; and the `sink` (or
+    `None`) with their records appended."""
     q = x.shape[0]
     group = max(1, q // ALONE_FRACTION)
     index_dtype = steps.tree.leaf_indices.dtype
@@ -166,12 +193,12 @@ def _alone(steps, x, visitors, visitor_axis, init, reach, states, redo, shape):
     )
 
     def body(carry):
-        g, states = carry
+        g, states, sink = carry
         slot = g * group + jnp.arange(group, dtype=index_dtype)
         rows = lax.dynamic_slice_in_dim(waiting, g * group, group)
         rows = jnp.where(slot < count, rows, 0)
         v = visitors if visitor_axis is None else _rows(visitors, rows)
-        found, _ = _stage(
+        found, _, sink = _stage(
             steps,
             gather_clamped(x, rows),
             v,
@@ -181,16 +208,19 @@ def _alone(steps, x, visitors, visitor_axis, init, reach, states, redo, shape):
             budget,
             chunk,
             exhaustive=True,
+            sink=sink,
+            real=(slot < count)[:, None],
         )
         keep = jnp.where(slot < count, rows, q)  # q: dropped
         states = jax.tree.map(
             lambda s, f: s.at[keep].set(f, mode="drop"), states, found
         )
-        return g + 1, states
+        return g + 1, states, sink
 
     zero = jnp.zeros((), index_dtype)
-    _, states = lax.while_loop(lambda c: c[0] * group < count, body, (zero, states))
-    return states
+    start = (zero, states, sink)
+    _, states, sink = lax.while_loop(lambda c: c[0] * group < count, body, start)
+    return states, sink
 
 
 # Queries of blocks that overflowed are searched alone, `1 / ALONE_FRACTION` of all
@@ -209,6 +239,8 @@ def _stage(
     budget: int,
     chunk: int,
     exhaustive: bool,
+    sink: Sink | None = None,
+    real: Bool[Array, "blocks size"] | None = None,
 ):
     """The states of blocks of queries `xb`, from `init`, after every leaf within
     each block's reach (the largest of its queries' `own_reach`, narrowing as the
@@ -221,6 +253,10 @@ def _stage(
     `NARROWING_ROUNDS` times. A block that still outgrows the budget takes every
     leaf, pruned by box, if `exhaustive`; if not, its states are incomplete and it
     stays flagged (the caller searches it again).
+
+    With a `sink`, the records of the `real` queries of each block whose search
+    completes are appended to it (an incomplete one emits nothing: its queries are
+    searched again). **Returns:** `(states, overflowed, sink)`.
     """
     tree = steps.tree
     index_dtype = tree.leaf_indices.dtype
@@ -233,12 +269,14 @@ def _stage(
     narrows = vb.first_points() > 0
     rounds = NARROWING_ROUNDS if narrows else 1
 
-    def one_round(reach, active, last):
+    def one_round(reach, active, last, sink):
         """The states of the `active` blocks after a search within `reach`, and
         which of them outgrew the budget (those take every leaf if `last`)."""
         reach = jnp.where(active[:, None], reach, -jnp.inf)
         leaves, near_d2, overflowed = _descend(steps, tiles, budget, reach)
-        states = _fold_chunks(
+        complete = active & (~overflowed | (last & exhaustive))
+        emitting = None if sink is None else complete[:, None] & real
+        states, sink = _fold_chunks(
             tiles,
             vb,
             visitor_axis,
@@ -249,30 +287,32 @@ def _stage(
             near_d2,
             overflowed & last if exhaustive else None,
             chunk,
+            sink,
+            emitting,
         )
-        return states, overflowed & active
+        return states, overflowed & active, sink
 
     # Every round is one trace of the loop's body: each descent is a few top-k
     # selections, which are slow to compile on a TPU.
     total = rounds + 1 if exhaustive else rounds
 
     def again(carry):
-        r, reach, states, active = carry
+        r, reach, states, active, sink = carry
         narrowed = jnp.minimum(reach, reach_of(states))
         reach = jnp.where(active[:, None] & (r > 0), narrowed, reach)
-        found, still = one_round(reach, active, r == total - 1)
+        found, still, sink = one_round(reach, active, r == total - 1, sink)
         states = jax.tree.map(
             lambda f, s: jnp.where(_along(active, s), f, s), found, states
         )
-        return r + 1, reach, states, still
+        return r + 1, reach, states, still, sink
 
     everywhere = jnp.ones(own_reach.shape[0], bool)
-    _, _, states, overflowed = lax.while_loop(
+    _, _, states, overflowed, sink = lax.while_loop(
         lambda c: (c[0] < total) & jnp.any(c[3]),
         again,
-        (jnp.zeros((), index_dtype), own_reach, init, everywhere),
+        (jnp.zeros((), index_dtype), own_reach, init, everywhere, sink),
     )
-    return states, overflowed
+    return states, overflowed, sink
 
 
 # How many times a block of narrowing visitors whose frontier outgrew the budget
@@ -285,12 +325,26 @@ def _along(flags: Bool[Array, " blocks"], s: Array) -> Bool[Array, "..."]:
 
 
 def _fold_chunks(
-    tiles, vb, visitor_axis, init, reach_of, reach, leaves, near_d2, every, chunk
+    tiles,
+    vb,
+    visitor_axis,
+    init,
+    reach_of,
+    reach,
+    leaves,
+    near_d2,
+    every,
+    chunk,
+    sink=None,
+    emitting=None,
 ):
     """`init` with each block's listed `leaves` folded in, nearest first, `chunk`
     at a time, until the next chunk's nearest box lies beyond the block's reach
     (as the states narrow it). Blocks flagged in `every` (unless `None`) take every
-    leaf of the tree instead, in index order, pruned by box."""
+    leaf of the tree instead, in index order, pruned by box. With a `sink`, the
+    records of the queries flagged in `emitting` are appended to it.
+
+    **Returns:** `(states, sink)`."""
     budget = leaves.shape[1]
     index_dtype = leaves.dtype
     num_leaves = tiles.steps.tree.num_leaves
@@ -331,15 +385,15 @@ def _fold_chunks(
         return taken, jnp.any(left)
 
     def body(carry):
-        c, states, taken, _ = carry
-        states = tiles.fold(vb, visitor_axis, states, taken)
-        return c + 1, states, *chunk_at(c + 1, states)
+        c, states, sink, taken, _ = carry
+        states, sink = tiles.fold(vb, visitor_axis, states, taken, sink, emitting)
+        return c + 1, states, sink, *chunk_at(c + 1, states)
 
     zero = jnp.zeros((), index_dtype)
-    _, states, _, _ = lax.while_loop(
-        lambda carry: carry[3], body, (zero, init, *chunk_at(zero, init))
+    _, states, sink, _, _ = lax.while_loop(
+        lambda carry: carry[4], body, (zero, init, sink, *chunk_at(zero, init))
     )
-    return states
+    return states, sink
 
 
 def _reach(visitor: AbstractVisitor, state: _State) -> Float[Array, ""]:
@@ -425,14 +479,28 @@ class _Tiles(eqx.Module):
         d2 = jnp.where(indices[:, None, :] < tree.n, d2, jnp.inf)
         return d2, indices
 
-    def fold(self, visitors, visitor_axis, states, leaves):
-        """The states with the points of each block's `leaves` folded in."""
+    def fold(self, visitors, visitor_axis, states, leaves, sink=None, emitting=None):
+        """The states with the points of each block's `leaves` folded in, and the
+        `sink` (or `None`) with the records of the queries flagged in `emitting`."""
         d2, indices = self.measure(leaves)
         per_query = jax.vmap(
             lambda v, s, d, i: v.visit_tile(s, d, i), in_axes=(visitor_axis, 0, 0, None)
         )
         per_block = jax.vmap(per_query, in_axes=(visitor_axis, 0, 0, 0))
-        return per_block(visitors, states, d2, indices)
+        states = per_block(visitors, states, d2, indices)
+        if sink is None:
+            return states, None
+
+        def records(v, d, i):
+            return v.leaf_records(d, i, jnp.asarray(-1, i.dtype))
+
+        per_query = jax.vmap(records, in_axes=(visitor_axis, 0, None))
+        emits, found, weights = jax.vmap(per_query, (visitor_axis, 0, 0))(
+            visitors, d2, indices
+        )
+        assert emitting is not None
+        emits = emits & emitting[..., None]
+        return states, sink.appended(emits, found, weights)
 
 
 def _first_states(steps: _Steps, tiles: _Tiles, visitors, visitor_axis, init, m):
@@ -441,7 +509,7 @@ def _first_states(steps: _Steps, tiles: _Tiles, visitors, visitor_axis, init, m)
     keeping the nearest): a first bound on each query's reach, from points near
     it."""
     nearest, _, _ = _descend(steps, tiles, m, None)
-    return tiles.fold(visitors, visitor_axis, init, nearest)
+    return tiles.fold(visitors, visitor_axis, init, nearest)[0]
 
 
 # The descent goes this many levels a step (the nodes `2**STRIDE` levels below a

@@ -19,7 +19,7 @@ from .._backend._mesh import split_sum_over_cpu_devices
 from .._custom_types import Array, Bool, Float, Int
 from .._engine._base import AbstractSearchTree
 from .._engine._bits import bitmasks, laid_out, nth_set_bit, set_bit_count, WORD
-from .._engine._blocks import walk_blocks
+from .._engine._blocks import emit_blocks, walk_blocks
 from .._engine._metric import Block, minimum_image, Minkowski, wrap_into_box
 from .._engine._search import (
     far_queries,
@@ -124,7 +124,10 @@ def _sorted_records(tree, x, r2, rows, offset, capacity, metric, above, m: int):
     )(r2, rows)
     empty = no_pairs(m, tree.n, capacity, x.dtype, rows.dtype)
     sink = Sink((empty.rows, empty.cols), empty.count)
-    _, filled = walk_many(tree, x, visitors, metric, sink=sink)
+    if tree.engine == "blocks":
+        filled = emit_blocks(tree, x, visitors, metric, sink)
+    else:
+        _, filled = walk_many(tree, x, visitors, metric, sink=sink)
     assert filled is not None
     return *sort_index_pairs(*filled.records), filled.written
 
@@ -249,10 +252,20 @@ def self_matrix(
 
 def _pairs_in_order_met(tree: AbstractSearchTree, r, capacity: int, metric: Minkowski):
     """The first `capacity` pairs `(i, j)`, `i < j`, that the leaf-by-leaf walk
-    meets, unsorted, padded with `(n, n)`, and how many pairs there are (`n >= 2`)."""
+    meets, unsorted (sorted on the block engine), padded with `(n, n)`, and how
+    many pairs there are (`n >= 2`)."""
     n, size = tree.n, tree.leaf_size
     index_dtype = index_dtype_for(n + 1)
     searched = lax.stop_gradient(tree)
+    if tree.engine == "blocks":
+        # The block engine searches points, not leaves: each point is a query,
+        # keeping the points after its own (sorted already).
+        r2 = jnp.broadcast_to(search_threshold(tree, r, metric), (n,))
+        rows = jnp.arange(n, dtype=index_dtype)
+        zero = jnp.zeros((), index_dtype)
+        return _sorted_records(
+            searched, searched.points, r2, rows, zero, capacity, metric, True, n
+        )
     leaf_count = tree.num_leaves
     # Padding slots at infinity: they pair with nothing (their distances are inf or
     # NaN, never within r).
