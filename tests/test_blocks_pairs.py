@@ -109,8 +109,9 @@ def test_knn_graph_on_blocks_equals_the_walk(case):
             assert [set(r) for r in got] == [set(rows[w[1:]]) for w in want]
 
 
-@pytest.mark.parametrize("budgets", ["default", "tiny"])
-@pytest.mark.parametrize("periodic", [False, True])
+# Tiny budgets in an open box, the default ones in a periodic box: each of the
+# engine's paths once (the tiny budgets' fresh programs cost the suite compile time).
+@pytest.mark.parametrize("budgets, periodic", [("tiny", False), ("default", True)])
 def test_pairs_of_two_trees_on_blocks_equal_scipy(
     monkeypatch, request, budgets, periodic
 ):
@@ -144,8 +145,9 @@ def test_pairs_of_two_trees_on_blocks_equal_scipy(
     assert int(short) == ref.nnz
 
 
-@pytest.mark.parametrize("budgets", ["default", "tiny"])
-@pytest.mark.parametrize("periodic", [False, True])
+# Tiny budgets in an open box, the default ones in a periodic box: each of the
+# engine's paths once (the tiny budgets' fresh programs cost the suite compile time).
+@pytest.mark.parametrize("budgets, periodic", [("tiny", False), ("default", True)])
 def test_pairs_of_one_tree_on_blocks_equal_scipy(
     monkeypatch, request, budgets, periodic
 ):
