@@ -88,6 +88,7 @@ def emit_blocks(
 
 
 def _walk_blocks(tree, x, visitors, metric, visitor_axis, count, sink=None):
+    """[`walk_blocks`][] and [`emit_blocks`][] in one: `(states, sink, flag)`."""
     steps = _Steps(tree, metric)
     q = x.shape[0]
     index_dtype = tree.leaf_indices.dtype
