@@ -18,7 +18,8 @@ compiles the build and kNN again, apart, and counts the sorts in them;
 `--compile-parts` compiles kNN with its later stages cut away; `--profile`
 prints the operations where a kNN call spends its device time. `--part2`
 also times what part 2 moves onto the blocks: `count_neighbors` of the queries'
-tree (three radii) against scipy's, `knn_graph` (k = 16) over every point against
+tree (three radii) against scipy's, `query_pairs` at about 10 pairs a point against
+scipy's `output_type="ndarray"`, `knn_graph` (k = 16) over every point against
 scipy's `query(k=17)`, and the `rbf` and `mls` fits at k = 32 on `--local-queries`
 queries against scipy's `RBFInterpolator(neighbors=32)`, with their RMSE.
 """
@@ -205,8 +206,8 @@ def main():
 
 
 def part2(tree, ref, pts, queries, r, local_q):
-    """count_neighbors, knn_graph and the local fits on the blocks, beside scipy on
-    the host cores."""
+    """count_neighbors, query_pairs, knn_graph and the local fits on the blocks,
+    beside scipy on the host cores."""
     other = cKDTree(queries)
     radii = np.array([r / 2, r, 2 * r])
     t_pairs, want = host_best(lambda: ref.count_neighbors(other, radii), repeats=1)
@@ -217,6 +218,21 @@ def part2(tree, ref, pts, queries, r, local_q):
         f"count_neighbors, 3 radii: first {first:.2f} s, steady {best:.4f} s = "
         f"{best / t_pairs:.2f}x scipy ({t_pairs:.4f} s); equal "
         f"{np.array_equal(np.asarray(got), want)}"
+    )
+    # About 10 pairs a point: n (4/3) pi r^3 / 2 = 10.
+    r_pairs = float((15 / (np.pi * len(pts))) ** (1 / 3))
+    t_list, expected = host_best(
+        lambda: ref.query_pairs(r_pairs, output_type="ndarray"), repeats=1
+    )
+    capacity = int(1.05 * len(expected)) + 1024
+    self_pairs = jax.jit(lambda t: t.query_pairs(r_pairs, max_pairs=capacity))
+    first, best, (found, _, count) = first_and_best(lambda: self_pairs(tree), 1)
+    found = np.asarray(found)[: int(count)]
+    order = np.lexsort(expected.T[::-1])
+    print(
+        f"query_pairs r={r_pairs:.4f} ({len(expected) / len(pts):.1f} a point): first "
+        f"{first:.2f} s, steady {best:.4f} s = {best / t_list:.2f}x scipy's ndarray "
+        f"({t_list:.4f} s); equal {np.array_equal(found, expected[order])}"
     )
     p_dev = jnp.asarray(pts)
     t_graph, _ = host_best(lambda: ref.query(pts, k=17, workers=-1), repeats=1)
