@@ -293,10 +293,10 @@ def compile_parts(tree, x, k):
         # States that read the first pass's reach, which would otherwise go unused.
         unreached = jnp.any(own_reach < 0)
         states = jax.tree.map(lambda s: jnp.where(unreached, 0, s), init)
-        return states, jnp.zeros(own_reach.shape[0], bool)
+        return states, jnp.zeros(own_reach.shape[0], bool), kwargs.get("sink")
 
     def no_alone(steps, x, visitors, visitor_axis, init, reach, states, *args):
-        return states
+        return states, args[-1]
 
     parts = [
         ("first pass only", no_stage, no_alone),

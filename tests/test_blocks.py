@@ -116,3 +116,37 @@ def test_smallest_first_in_order():
     values, positions = smallest_first(jnp.asarray(x), 16)
     np.testing.assert_array_equal(values, np.sort(x, axis=1)[:, :16])
     np.testing.assert_array_equal(np.take_along_axis(x, positions, 1), values)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8, 17])
+def test_merging_a_tiles_k_best_keeps_the_k_smallest_pairs(k):
+    from kdeqx._engine._merge import (
+        best_of_pairs,
+        merge_sorted_into_best,
+        pairs_of_best,
+        smallest_pairs,
+    )
+
+    rng = np.random.default_rng(k)
+    for trial in range(6):
+        # Few distinct distances: ties broken by index, empty entries `(bound, -1)`.
+        best_d2 = rng.integers(0, 4, k).astype(np.float32)
+        best_i = rng.permutation(100)[:k].astype(np.int32)
+        if trial % 2:
+            best_d2[k // 2 :], best_i[k // 2 :] = 3.0, -1
+        order = np.lexsort((best_i, best_d2))
+        best_d2, best_i = best_d2[order], best_i[order]
+        tile_d2 = rng.integers(0, 4, 40).astype(np.float32)
+        tile_i = (100 + rng.permutation(40)).astype(np.int32)
+        tile = smallest_pairs(jnp.asarray(tile_d2), jnp.asarray(tile_i), k)
+        for best in [
+            best_of_pairs(jnp.asarray(best_d2), jnp.asarray(best_i)),
+            (jnp.asarray(best_d2), jnp.asarray(best_i)),
+        ]:
+            merged = merge_sorted_into_best(best, *tile)
+            d2, i = pairs_of_best(merged, jnp.float32, jnp.int32)
+            all_d2 = np.concatenate([best_d2, tile_d2])
+            all_i = np.concatenate([best_i, tile_i])
+            expected = np.lexsort((all_i, all_d2))[:k]
+            np.testing.assert_array_equal(d2, all_d2[expected])
+            np.testing.assert_array_equal(i, all_i[expected])

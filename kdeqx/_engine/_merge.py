@@ -341,6 +341,36 @@ def _bitonic_sort(keys: _Keys) -> _Keys:
     return keys
 
 
+def merge_sorted_into_best(best: Best, d2: Float[Array, " k"], indices) -> Best:
+    """The k best of a best list (`best_of_pairs`) and k more pairs, sorted (as
+    `smallest_pairs` gives them), by one bitonic merge of the pairs as they are:
+    the elementwise least of one list and the other reversed is bitonic, which one
+    compare-exchange stage per halving of the stride sorts.
+
+    No 64-bit keys: a TPU emulates them, and the packed merge (`merge_into_best`)
+    was a large share of the time to compile a kNN query of the block engine there
+    (see `benchmarks/accelerator.py --compile-report`).
+    """
+    k = d2.shape[0]
+    size = _next_power_of_two(k)
+    best_d2, best_indices = pairs_of_best(best, d2.dtype, indices.dtype)
+    padded = ((best_d2, best_indices), (d2, indices))
+    ours, theirs = (
+        _padded_pairs(a, i, size, jnp.iinfo(indices.dtype).max) for a, i in padded
+    )
+    low, _ = pairs_minmax(ours, _reverse(theirs))
+    return best_of_pairs(*_slice(_merge_bitonic(low, size), 0, k))
+
+
+def _padded_pairs(d2, indices, size: int, empty) -> _Keys:
+    """Pairs padded with `(inf, empty)` to `size`."""
+    missing = size - d2.shape[0]
+    return (
+        jnp.pad(d2, (0, missing), constant_values=jnp.inf),
+        jnp.pad(indices, (0, missing), constant_values=empty),
+    )
+
+
 # Up to this k a tile's k best are taken by rounds of minima, beyond it by a sort.
 ROUNDS_MAX_K = 16
 

@@ -11,6 +11,7 @@ from .._engine._merge import (
     best_of_pairs,
     leaves_per_merge,
     merge_into_best,
+    merge_sorted_into_best,
     pairs_of_best,
     precedes_last,
     smallest_pairs,
@@ -55,7 +56,7 @@ class _KNearest(AbstractVisitor):
 
     def visit_tile(self, state, d2, indices) -> Best:
         # The tile's k best first (a few passes over it), then one small merge.
-        return merge_into_best(state, *smallest_pairs(d2, indices, self.k))
+        return merge_sorted_into_best(state, *smallest_pairs(d2, indices, self.k))
 
 
 # Up to this k a query walks the default leaves' halves, leaves of 16, which answer
