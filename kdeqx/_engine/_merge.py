@@ -391,27 +391,26 @@ def smallest_pairs(
         d2 = jnp.pad(d2[:k], (0, max(0, k - d2.shape[0])), constant_values=jnp.inf)
         indices = jnp.pad(indices[:k], (0, max(0, k - indices.shape[0])))
         return d2, jnp.where(d2 < jnp.inf, indices, empty)
-    # Computed once: XLA may otherwise compute the distances again inside each
-    # consumer, fused differently (a contracted multiply-add or not), and a minimum
-    # would then match no entry.
-    d2 = lax.optimization_barrier(d2)
-    found_d2, found = [], []
-    for _ in range(k):
+    # In a loop, whose carry holds the distances computed once: outside one, XLA may
+    # compute them again inside each consumer, fused differently (a contracted
+    # multiply-add or not), and a minimum would then match no entry. One round
+    # compiled, not `k`: a TPU compiles each for seconds.
+
+    def one_round(d2, _):
         least, index = _lexicographic_min(d2, indices)
-        d2 = jnp.where(indices == index, jnp.inf, d2)
-        found_d2.append(least)
-        found.append(jnp.where(least < jnp.inf, index, empty))
-    return jnp.stack(found_d2), jnp.stack(found)
+        taken = (least, jnp.where(least < jnp.inf, index, empty))
+        return jnp.where(indices == index, jnp.inf, d2), taken
+
+    return lax.scan(one_round, lax.optimization_barrier(d2), None, length=k)[1]
 
 
 def _lexicographic_min(d2: Float[Array, " m"], indices: Int[Array, " m"]):
-    """The least `(d2, index)` pair, by one reduction of both (no test of equality
-    with a minimum found apart)."""
+    """The least `(d2, index)` pair: the least `d2`, then the least index where
+    `d2` equals it (`d2` computed once, see `smallest_pairs`).
 
-    def least(a, b):
-        a_first = (a[0] < b[0]) | ((a[0] == b[0]) & (a[1] < b[1]))
-        return lax.select(a_first, a[0], b[0]), lax.select(a_first, a[1], b[1])
-
-    identity = (jnp.asarray(jnp.inf, d2.dtype), jnp.iinfo(indices.dtype).max)
-    identity = (identity[0], jnp.asarray(identity[1], indices.dtype))
-    return lax.reduce((d2, indices), identity, least, (0,))
+    Two plain reductions, not one of both: a TPU took seconds to compile each
+    reduction with two operands and a comparator of its own, and XLA:CPU ran it
+    several times slower (see `benchmarks/accelerator.py --compile-report`)."""
+    least = jnp.min(d2)
+    at_least = jnp.where(d2 == least, indices, jnp.iinfo(indices.dtype).max)
+    return least, jnp.min(at_least)
