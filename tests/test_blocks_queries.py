@@ -10,6 +10,7 @@ from scipy.spatial import cKDTree
 
 import kdeqx
 from kdeqx._backend import _lanes, stable_partition
+from kdeqx._engine import _blocks
 from kdeqx._engine._blocks import CURVE_BITS, curve_order, walk_blocks
 from kdeqx._engine._metric import Minkowski
 from kdeqx._query._knn import _KNearest
@@ -67,14 +68,18 @@ def test_vmap_over_trees():
 
 
 @pytest.mark.parametrize(
-    "dataset, shape", [("uniform", (4, 2, 4, 2)), ("clustered", (8, 1, 2, 1))]
+    "dataset, shape, window",
+    [("uniform", (4, 2, 4, 2), 32), ("clustered", (8, 1, 2, 1), 1)],
 )
 def test_tiny_budgets_take_every_fallback_and_stay_exact(
-    monkeypatch, request, dataset, shape
+    monkeypatch, request, dataset, shape, window
 ):
     """Budgets far too small: blocks overflow, narrow their reach in rounds, are
-    searched query by query, and those take every leaf; the answers stay exact."""
+    searched query by query, and those take every leaf within reach, a window of
+    leaves at a time (one chunk's: most windows have more within reach than
+    fit); the answers stay exact."""
     monkeypatch.setattr(_lanes, "_BLOCK_SHAPE", _lanes.BlockShape(*shape))
+    monkeypatch.setattr(_blocks, "EVERY_WINDOW", window)
     # The queries' traces are cached by their static arguments, which hold no shape:
     # without this, they would reuse programs of the default shape.
     jax.clear_caches()
@@ -91,9 +96,12 @@ def test_tiny_budgets_take_every_fallback_and_stay_exact(
     assert overflowed > 0  # the fallbacks did run
     # Fresh programs: the shape is read when a query is traced.
     knn = jax.jit(lambda t, x: t.query(x, k=6))
-    count = jax.jit(lambda t, x: t.count_ball_point(x, 0.2))
+    count = jax.jit(lambda t, x, r: t.count_ball_point(x, r))
     np.testing.assert_array_equal(knn(tree, x)[1], knn(walk, x)[1])
-    np.testing.assert_array_equal(count(tree, x), count(walk, x))
+    for r in (0.2, 0.6):  # a few leaves within reach; many
+        np.testing.assert_array_equal(count(tree, x, r), count(walk, x, r))
+        expected = cKDTree(points).query_ball_point(x, r, return_length=True)
+        np.testing.assert_array_equal(count(tree, x, r), expected)
 
 
 def test_query_order_is_a_stable_sort_of_the_codes_top_bits():

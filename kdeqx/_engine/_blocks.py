@@ -342,24 +342,23 @@ def _fold_chunks(
     """`init` with each block's listed `leaves` folded in, nearest first, `chunk`
     at a time, until the next chunk's nearest box lies beyond the block's reach
     (as the states narrow it). Blocks flagged in `every` (unless `None`) take every
-    leaf of the tree instead, in index order, pruned by box. With a `sink`, the
-    records of the queries flagged in `emitting` are appended to it.
+    leaf of the tree within reach instead, in index order (`_every_within_reach`).
+    With a `sink`, the records of the queries flagged in `emitting` are appended to
+    it.
 
     **Returns:** `(states, sink)`."""
     budget = leaves.shape[1]
     index_dtype = leaves.dtype
-    num_leaves = tiles.steps.tree.num_leaves
     chunks = budget // chunk
-    all_chunks = -(-num_leaves // chunk)
 
     def within_reach(leaves, reach):
         """`leaves`, `-1` where no query of the block is within reach of them."""
         near = jnp.any(tiles.leaf_box_d2(leaves) <= reach[:, :, None], axis=1)
         return jnp.where(near, leaves, -1)
 
-    def chunk_leaves(c, reach):
-        """Each block's leaves of chunk `c` (`-1`: none), and whether it has any
-        left within reach."""
+    def chunk_leaves(c, reach, scanned):
+        """Each block's leaves of chunk `c` (`-1`: none), whether it has any left
+        within reach, and (for `every`) how far the scan of all leaves has got."""
         start = c * chunk
         listed = lax.dynamic_slice_in_dim(
             leaves, jnp.minimum(start, budget - chunk), chunk, axis=1
@@ -372,29 +371,62 @@ def _fold_chunks(
         listed_left = (c < chunks) & (nearest_box <= jnp.max(reach, axis=1))
         listed = jnp.where(listed_left[:, None], listed, -1)
         if every is None:
-            return within_reach(listed, reach), listed_left
-        all_leaves = start + jnp.arange(chunk, dtype=index_dtype)
-        all_leaves = jnp.where(all_leaves < num_leaves, all_leaves, -1)
-        all_leaves = jnp.broadcast_to(all_leaves, listed.shape)
-        taken = jnp.where(every[:, None], all_leaves, listed)
-        left = jnp.where(every, c < all_chunks, listed_left)
-        return within_reach(taken, reach), left
+            return within_reach(listed, reach), listed_left, scanned
+        found, after = _every_within_reach(tiles, within_reach, reach, scanned, chunk)
+        taken = jnp.where(every[:, None], found, within_reach(listed, reach))
+        left = jnp.where(every, scanned < tiles.steps.tree.num_leaves, listed_left)
+        return taken, left, jnp.where(every, after, scanned)
 
-    def chunk_at(c, states):
-        """Chunk `c`'s leaves for each block, and whether any block has one."""
-        taken, left = chunk_leaves(c, jnp.minimum(reach, reach_of(states)))
-        return taken, jnp.any(left)
+    def chunk_at(c, states, scanned):
+        """Chunk `c`'s leaves for each block, whether any block has one, and the
+        scans' positions after it."""
+        reach_now = jnp.minimum(reach, reach_of(states))
+        taken, left, scanned = chunk_leaves(c, reach_now, scanned)
+        return taken, jnp.any(left), scanned
 
     def body(carry):
-        c, states, sink, taken, _ = carry
+        c, states, sink, taken, _, scanned = carry
         states, sink = tiles.fold(vb, visitor_axis, states, taken, sink, emitting)
-        return c + 1, states, sink, *chunk_at(c + 1, states)
+        return c + 1, states, sink, *chunk_at(c + 1, states, scanned)
 
     zero = jnp.zeros((), index_dtype)
-    _, states, sink, _, _ = lax.while_loop(
-        lambda carry: carry[4], body, (zero, init, sink, *chunk_at(zero, init))
+    scanned = jnp.zeros(leaves.shape[0], index_dtype)
+    _, states, sink, _, _, _ = lax.while_loop(
+        lambda carry: carry[4],
+        body,
+        (zero, init, sink, *chunk_at(zero, init, scanned)),
     )
     return states, sink
+
+
+def _every_within_reach(tiles, within_reach, reach, scanned, chunk: int):
+    """The next `chunk` leaves within reach of each block from leaf `scanned` on
+    (`-1` for none), in index order, and the leaf to go on from.
+
+    A window of `EVERY_WINDOW` chunks' leaves is tested by box a step, and the
+    leaves within reach are compacted: a block in a dense region (a ball of many
+    thousands of points) takes as many steps as it has chunks of leaves within
+    reach, not as the tree has chunks of leaves.
+    """
+    num_leaves = tiles.steps.tree.num_leaves
+    index_dtype = scanned.dtype
+    window = min(EVERY_WINDOW * chunk, num_leaves)
+    candidates = scanned[:, None] + jnp.arange(window, dtype=index_dtype)
+    candidates = jnp.where(candidates < num_leaves, candidates, -1)
+    near = within_reach(candidates, reach) >= 0
+    rank = jnp.cumsum(near, axis=1, dtype=index_dtype) - 1
+    slot = jnp.where(near & (rank < chunk), rank, chunk)  # `chunk`: not taken
+    found = jax.vmap(
+        lambda s, c: jnp.full(chunk, -1, index_dtype).at[s].set(c, mode="drop")
+    )(slot, candidates)
+    # On from the first leaf within reach that did not fit, or past the window.
+    missed = jnp.where(near & (rank >= chunk), candidates, num_leaves)
+    after = jnp.minimum(jnp.min(missed, axis=1), scanned + window)
+    return found, after
+
+
+# A block that takes every leaf tests this many chunks' leaves by box a step.
+EVERY_WINDOW = 32
 
 
 def _reach(visitor: AbstractVisitor, state: _State) -> Float[Array, ""]:
