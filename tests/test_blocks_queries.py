@@ -104,6 +104,25 @@ def test_tiny_budgets_take_every_fallback_and_stay_exact(
         np.testing.assert_array_equal(count(tree, x, r), expected)
 
 
+@pytest.mark.parametrize("p, box", [(2.0, None), (1.0, None), (np.inf, 1.0)])
+def test_counts_take_subtrees_within_the_ball_whole_and_stay_exact(p, box):
+    """Radii that swallow whole clusters (subtrees counted by their size, not their
+    leaves) and cut through others, against scipy; in a periodic box too."""
+    rng = np.random.default_rng(14)
+    centres = rng.random((6, 3))
+    points = centres[rng.integers(0, 6, 3000)] + 0.01 * rng.normal(size=(3000, 3))
+    points = np.mod(points, 1.0).astype(np.float32)
+    x = np.concatenate([centres, rng.random((60, 3))]).astype(np.float32)
+    r = np.concatenate([np.full(6, 0.05), rng.random(60) * 0.4]).astype(np.float32)
+    tree = kdeqx.KDTree(points, box=box, engine="blocks")
+    reference = cKDTree(points.astype(np.float64), boxsize=box)
+    expected = reference.query_ball_point(x, r, p=p, return_length=True)
+    np.testing.assert_array_equal(tree.count_ball_point(x, r, p=p), expected)
+    # One radius for all: one visitor shared by every query.
+    expected = reference.query_ball_point(x, 0.2, p=p, return_length=True)
+    np.testing.assert_array_equal(tree.count_ball_point(x, 0.2, p=p), expected)
+
+
 def test_query_order_is_a_stable_sort_of_the_codes_top_bits():
     """The radix passes that order queries on a TPU (and list the blocks to search
     again) against NumPy's stable sort, with repeated keys; and the sorts elsewhere."""

@@ -270,11 +270,21 @@ def _stage(
     narrows = vb.first_points() > 0
     rounds = NARROWING_ROUNDS if narrows else 1
 
+    # Subtrees within a ball are taken whole only by queries searched alone (the
+    # blocks of dense regions, which outgrew the budget): elsewhere the bounds from
+    # above doubled the descent's work on boxes and seldom spared a leaf (see
+    # `benchmarks/accelerator.py`, `count_ball_point` on uniform points and blobs).
+    whole = _whole_within(vb, visitor_axis, own_reach.shape) if exhaustive else None
+    if whole is not None:
+        assert sink is None, "a visitor that takes subtrees whole emits nothing"
+
     def one_round(reach, active, last, sink):
         """The states of the `active` blocks after a search within `reach`, and
         which of them outgrew the budget (those take every leaf if `last`)."""
         reach = jnp.where(active[:, None], reach, -jnp.inf)
-        leaves, near_d2, overflowed = _descend(steps, tiles, budget, reach)
+        leaves, near_d2, overflowed, counted = _descend(
+            steps, tiles, budget, reach, whole
+        )
         complete = active & (~overflowed | (last & exhaustive))
         emitting = None if sink is None else complete[:, None] & real
         states, sink = _fold_chunks(
@@ -291,6 +301,11 @@ def _stage(
             sink,
             emitting,
         )
+        if counted is not None:
+            # A block that outgrew the budget has no complete frontier: it is
+            # searched again, or takes every leaf (none of them whole).
+            counted = jnp.where(overflowed[:, None], 0, counted)
+            states = _visit_whole(vb, visitor_axis, states, counted)
         return states, overflowed & active, sink
 
     # Every round is one trace of the loop's body: each descent is a few top-k
@@ -433,6 +448,19 @@ def _reach(visitor: AbstractVisitor, state: _State) -> Float[Array, ""]:
     return visitor.reach(state)
 
 
+def _whole_within(visitors, visitor_axis, shape) -> Float[Array, "blocks size"] | None:
+    """Each query's `AbstractVisitor.whole_within`, or `None`."""
+    if visitor_axis is None:
+        whole = visitors.whole_within()
+        return None if whole is None else jnp.broadcast_to(whole, shape)
+    return jax.vmap(jax.vmap(lambda v: v.whole_within()))(visitors)
+
+
+def _visit_whole(visitors, visitor_axis, states, counted):
+    per_query = jax.vmap(lambda v, s, c: v.visit_whole(s, c), (visitor_axis, 0, 0))
+    return jax.vmap(per_query, (visitor_axis, 0, 0))(visitors, states, counted)
+
+
 def _rows(tree: PyTree, rows: Int[Array, "..."]) -> PyTree:
     return jax.tree.map(lambda a: gather_clamped(a, rows), tree)
 
@@ -472,6 +500,15 @@ class _Tiles(eqx.Module):
         lo = [rows[..., j] for j in range(d)]
         hi = [rows[..., d + j] for j in range(d)]
         return self._axes_box_d2(lo, hi, nodes)
+
+    def row_far_d2(self, rows) -> Float[Array, "blocks size m"]:
+        """An upper bound on the powered distance from each query of each block to
+        the points of nodes whose boxes are given as rows `(lo, hi)` of `2 d`."""
+        d = self.queries.shape[-1]
+        x = [self.queries[:, :, j, None] for j in range(d)]
+        lo = [rows[:, None, :, j] for j in range(d)]
+        hi = [rows[:, None, :, d + j] for j in range(d)]
+        return self.steps.metric.box_upper_bound(x, lo, hi, self.steps.period)
 
     def _axes_box_d2(self, lo: list, hi: list, nodes):
         """`box_d2` of `nodes` whose boxes are given axis by axis, `(blocks, m)`."""
@@ -541,7 +578,7 @@ def _first_states(steps: _Steps, tiles: _Tiles, visitors, visitor_axis, init, m)
     leaves nearest to some query of the block (found as `_descend` finds leaves,
     keeping the nearest): a first bound on each query's reach, from points near
     it."""
-    nearest, _, _ = _descend(steps, tiles, m, None)
+    nearest, _, _, _ = _descend(steps, tiles, m, None)
     return tiles.fold(visitors, visitor_axis, init, nearest)[0]
 
 
@@ -571,7 +608,7 @@ def _schedule(depth: int, width: int) -> list[tuple[int, int]]:
     return [step for step in steps if step[0] > 0]
 
 
-def _descend(steps: _Steps, tiles: _Tiles, width: int, reach):
+def _descend(steps: _Steps, tiles: _Tiles, width: int, reach, whole=None):
     """Each block's leaves within reach of some query of it (`reach`, one per
     query; `None`: keep the nearest whatever their distance), nearest first, by a
     descent from the root in a few steps of several levels (`_schedule`) that keeps
@@ -583,9 +620,16 @@ def _descend(steps: _Steps, tiles: _Tiles, width: int, reach):
     leaf near the box. A step gathers, for each node it keeps, the boxes of all its
     descendants some levels down as one row.
 
-    **Returns:** `(leaves, box_d2, overflowed)`: `(blocks, width)` leaf numbers (`-1`
-    for none) and their least box distance to a query that they are within reach
-    of (`inf` for none), and the flags.
+    With `whole` (one powered distance per query), a node within reach whose every
+    point lies within `whole` of a query is taken whole for it: it is kept only if
+    some other query of the block needs its leaves, and where it is not, its points
+    are counted for the queries it lies within `whole` of (a ball's frontier is
+    then its surface's nodes, not its volume's).
+
+    **Returns:** `(leaves, box_d2, overflowed, counted)`: `(blocks, width)` leaf
+    numbers (`-1` for none) and their least box distance to a query that needs
+    them (`inf` for none), the flags, and with `whole` the points of the nodes
+    taken whole for each query (else `None`).
     """
     tree = steps.tree
     blocks, _, d = tiles.queries.shape
@@ -599,8 +643,11 @@ def _descend(steps: _Steps, tiles: _Tiles, width: int, reach):
     frontier = jnp.zeros((blocks, 1), index_dtype)
     overflowed = jnp.zeros(blocks, bool)
     box_d2 = jnp.zeros((blocks, 1), tiles.queries.dtype)
+    counted = None if whole is None else jnp.zeros(whole.shape, index_dtype)
+    level = 0
     for down, kept in _schedule(depth, width):
         span = 2**down
+        level += down
         table = boxes[: boxes.shape[0] // span * span].reshape(-1, span * 2 * d)
         rows = gather_clamped(table, frontier + 1).reshape(blocks, -1, 2 * d)
         children = (frontier[..., None] + 1) * span - 1 + jnp.arange(span)
@@ -610,7 +657,16 @@ def _descend(steps: _Steps, tiles: _Tiles, width: int, reach):
         if reach is None:
             d2 = jnp.min(d2, axis=1)
         else:
-            d2 = jnp.min(jnp.where(d2 <= reach[:, :, None], d2, jnp.inf), axis=1)
+            needed = d2 <= reach[:, :, None]
+            if whole is not None:
+                inside = needed & (tiles.row_far_d2(rows) <= whole[:, :, None])
+                needed = needed & ~inside
+                dropped = inside & ~jnp.any(needed, axis=1, keepdims=True)
+                points = _points_in_nodes(steps, children, depth - level)
+                counted = counted + jnp.sum(
+                    jnp.where(dropped, points[:, None, :], 0), axis=2, dtype=index_dtype
+                )
+            d2 = jnp.min(jnp.where(needed, d2, jnp.inf), axis=1)
             overflowed = overflowed | (jnp.sum(d2 < jnp.inf, axis=1) > kept)
         kept = min(kept, children.shape[1])
         box_d2, taken = smallest_first(d2, kept)
@@ -620,4 +676,18 @@ def _descend(steps: _Steps, tiles: _Tiles, width: int, reach):
     frontier = jnp.pad(frontier, ((0, 0), (0, pad)), constant_values=-1)
     box_d2 = jnp.pad(box_d2, ((0, 0), (0, pad)), constant_values=jnp.inf)
     leaves = jnp.where(frontier >= 0, frontier - steps.first_leaf, -1)
-    return leaves, box_d2, overflowed
+    return leaves, box_d2, overflowed, counted
+
+
+def _points_in_nodes(steps: _Steps, nodes: Int[Array, "..."], height: int):
+    """How many points the `nodes` (`-1`: none), `height` levels above the leaves,
+    hold: each covers `2**height` consecutive leaves."""
+    tree = steps.tree
+    index_dtype = tree.leaf_indices.dtype
+    real = tree.leaf_indices.reshape(-1, tree.leaf_size) < tree.n
+    per_leaf = jnp.sum(real, axis=1, dtype=index_dtype)
+    before = jnp.concatenate([jnp.zeros(1, index_dtype), jnp.cumsum(per_leaf)])
+    first = (nodes + 1) * 2**height - tree.num_leaves
+    first = jnp.clip(first, 0, tree.num_leaves - 2**height)
+    points = before[first + 2**height] - before[first]
+    return jnp.where(nodes >= 0, points, 0)

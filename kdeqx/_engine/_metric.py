@@ -229,6 +229,22 @@ class Minkowski(eqx.Module):
         slack = 4 * (len(gaps) + 2) * self.exponent_bound * jnp.finfo(gaps[0].dtype).eps
         return self.powered_of_axes(gaps) * (1 - slack)
 
+    def box_upper_bound(self, x: list, lo: list, hi: list, period):
+        """An upper bound on the powered distance from a query point (given axis by
+        axis) to any point in the box given axis by axis: on each axis, the farther
+        side (at most half the period, in a periodic box). Grown by a few ulps per
+        dimension, as `box_lower_bound` is shrunk: a point on the farthest corner
+        may round to a larger distance in another sum."""
+        gaps = []
+        for j, (x_j, lo_j, hi_j) in enumerate(zip(x, lo, hi, strict=True)):
+            gap = jnp.maximum(jnp.abs(x_j - lo_j), jnp.abs(hi_j - x_j))
+            if period is not None:
+                half = period[j] / 2
+                gap = jnp.where(period[j] > 0, jnp.minimum(gap, half), gap)
+            gaps.append(gap)
+        slack = 4 * (len(gaps) + 2) * self.exponent_bound * jnp.finfo(gaps[0].dtype).eps
+        return self.powered_of_axes(gaps) * (1 + slack)
+
     def leaf_distances(
         self, x: Query, points: Float[Array, "m d"], period
     ) -> Float[Array, "*size m"]:

@@ -96,6 +96,17 @@ class AbstractVisitor(eqx.Module):
         nearest: `2 k`); `0` (default): none, the reach is fixed (a radius)."""
         return 0
 
+    def whole_within(self) -> Float[Array, ""] | None:
+        """A powered distance within which a subtree whose every point lies within
+        it changes the state by its number of points alone (`visit_whole`): the
+        block engine then takes such subtrees whole, without their leaves. `None`
+        (default): never."""
+        return None
+
+    def visit_whole(self, state: _State, count: Int[Array, ""]) -> _State:
+        """The state after `count` more points, each within `whole_within`."""
+        raise NotImplementedError
+
     def visit_tile(
         self, state: _State, d2: Float[Array, " tile"], indices: Int[Array, " tile"]
     ) -> _State:

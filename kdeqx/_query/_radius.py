@@ -33,6 +33,12 @@ class _BallCount(AbstractVisitor):
     def visit_leaf(self, state, d2, indices) -> Int[Array, ""]:
         return state + jnp.sum(d2 <= self.accept2, dtype=self.count_dtype)
 
+    def whole_within(self) -> Float[Array, ""]:
+        return self.accept2
+
+    def visit_whole(self, state, count) -> Int[Array, ""]:
+        return state + count.astype(self.count_dtype)
+
 
 class _BallCollect(AbstractVisitor):
     """Counts the points with `d2 <= accept2` in the subtrees within `r2` and keeps
