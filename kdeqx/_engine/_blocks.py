@@ -658,7 +658,7 @@ def _descend(steps: _Steps, tiles: _Tiles, width: int, reach, whole=None):
             d2 = jnp.min(d2, axis=1)
         else:
             needed = d2 <= reach[:, :, None]
-            if whole is not None:
+            if whole is not None and counted is not None:
                 inside = needed & (tiles.row_far_d2(rows) <= whole[:, :, None])
                 needed = needed & ~inside
                 dropped = inside & ~jnp.any(needed, axis=1, keepdims=True)
