@@ -3,7 +3,7 @@ same chip and scipy's `cKDTree` (`workers=-1`) on the same machine's host cores.
 
     python benchmarks/accelerator.py [--n 1e6] [--queries 1e5] [--k 8]
         [--brute-queries 1e4] [--shapes] [--compile-report] [--compile-parts]
-        [--profile]
+        [--compile-kernels] [--profile]
         [--skip-jaxkd] [--walk]
         [--part2] [--local-queries 1e5]
 
@@ -15,8 +15,11 @@ against scipy's list query; IDW with k = 8. Brute force (distance tiles and
 `lax.top_k`) is timed on `--brute-queries` queries and scaled to Q. `--shapes` also
 times kNN for a few block shapes (`kdeqx._backend.BlockShape`); `--compile-report`
 compiles the build and kNN again, apart, and counts the sorts in them;
-`--compile-parts` compiles kNN with its later stages cut away; `--profile`
-prints the operations where a kNN call spends its device time. `--part2`
+`--compile-parts` compiles kNN with its later stages cut away;
+`--compile-kernels` compiles the kernels of a kNN tile alone, each beside the way
+it was written before (a reduction with two operands and a comparator against two
+plain ones, rounds unrolled against a loop, 64-bit keys against 32-bit pairs);
+`--profile` prints the operations where a kNN call spends its device time. `--part2`
 also times what part 2 moves onto the blocks: `count_neighbors` of the queries'
 tree (three radii) against scipy's, `query_pairs` at about 10 pairs a point against
 scipy's `output_type="ndarray"`, `knn_graph` (k = 16) over every point against
@@ -29,6 +32,7 @@ import os
 import time
 
 import jax
+import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 from scipy.spatial import cKDTree
@@ -105,6 +109,11 @@ def main():
         "first pass alone, with the main stage, and whole",
     )
     parser.add_argument(
+        "--compile-kernels",
+        action="store_true",
+        help="compile the kernels of a kNN tile alone, each beside its former way",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="after the first calls, trace three kNN calls and print the device's "
@@ -157,6 +166,8 @@ def main():
             compile_report("kNN", lambda t, x: t.query(x, k=k), tree, x_dev)
         if args.compile_parts:
             compile_parts(tree, x_dev, k)
+        if args.compile_kernels and name == "uniform":
+            compile_kernels(tree, x_dev)
         if args.profile:
             profile("kNN", lambda: knn(tree, x_dev))
         if args.walk:
@@ -309,6 +320,107 @@ def compile_parts(tree, x, k):
             compile_report(f"kNN, {label},", lambda t, x: t.query(x, k=k), tree, x)
     finally:
         _blocks._stage, _blocks._alone = stage, alone
+
+
+def compile_kernels(tree, x, k=8, size=16):
+    """The kernels of a kNN tile (the block engine's queries in blocks of `size`
+    against 16 leaves each), compiled and run alone: its distances, the k best of
+    it, their merge into the k best so far, and the whole fold; each beside the way
+    it was written before. Seconds to compile, and to run once compiled."""
+    from kdeqx._engine import _blocks, _merge
+    from kdeqx._engine._metric import Minkowski
+    from kdeqx._engine._traverse import _Steps
+    from kdeqx._query._knn import _KNearest
+
+    blocks = x.shape[0] // size
+    xb = x[: blocks * size].reshape(blocks, size, -1)
+    halves = tree._halves_as_leaves()
+    rng = np.random.default_rng(1)
+    leaves = jnp.asarray(rng.integers(0, halves.num_leaves, (blocks, 16)), jnp.int32)
+
+    def tiles():
+        steps = _Steps(halves, Minkowski(2.0))
+        return _blocks._Tiles(steps, xb)
+
+    def per_query(f):
+        return jax.vmap(jax.vmap(f, (0, None)), (0, 0))
+
+    def lexicographic_reduction(d2, i):
+        def least(a, b):
+            first = (a[0] < b[0]) | ((a[0] == b[0]) & (a[1] < b[1]))
+            return lax.select(first, a[0], b[0]), lax.select(first, a[1], b[1])
+
+        big = jnp.asarray(jnp.iinfo(i.dtype).max, i.dtype)
+        return lax.reduce((d2, i), (jnp.asarray(jnp.inf, d2.dtype), big), least, (0,))
+
+    def unrolled_rounds(d2, i):
+        d2, found = lax.optimization_barrier(d2), []
+        for _ in range(k):
+            least, index = lexicographic_reduction(d2, i)
+            d2 = jnp.where(i == index, jnp.inf, d2)
+            found.append((least, index))
+        return tuple(jnp.stack(f) for f in zip(*found, strict=True))
+
+    d2, indices = jax.jit(lambda: tiles().measure(leaves))()
+    best = _merge.best_of_pairs(
+        jnp.full((blocks, size, k), jnp.inf), jnp.full((blocks, size, k), -1)
+    )
+    tile_best = jax.jit(per_query(lambda d, i: _merge.smallest_pairs(d, i, k)))(
+        d2, indices
+    )
+    visitor = _KNearest(k, jnp.asarray(jnp.inf, x.dtype), jnp.int32)
+    init = _blocks._states_at_init(visitor, None, (blocks, size))
+    kernels = [
+        ("distances of a tile", lambda: tiles().measure(leaves), ()),
+        (
+            "least pair: one two-operand reduction",
+            per_query(lexicographic_reduction),
+            (d2, indices),
+        ),
+        (
+            "least pair: two plain reductions",
+            per_query(_merge._lexicographic_min),
+            (d2, indices),
+        ),
+        (
+            "k best: rounds unrolled, two-operand",
+            per_query(unrolled_rounds),
+            (d2, indices),
+        ),
+        (
+            "k best: smallest_pairs",
+            per_query(lambda d, i: _merge.smallest_pairs(d, i, k)),
+            (d2, indices),
+        ),
+        (
+            "merge: packed 64-bit keys",
+            jax.vmap(jax.vmap(_merge.merge_into_best)),
+            (best, *tile_best),
+        ),
+        (
+            "merge: 32-bit pairs",
+            jax.vmap(jax.vmap(_merge.merge_sorted_into_best)),
+            (best, *tile_best),
+        ),
+        (
+            "fold: the whole tile",
+            lambda: tiles().fold(visitor, None, init, leaves)[0],
+            (),
+        ),
+    ]
+    print(f"  kernels of a kNN tile, {blocks} blocks of {size} queries x 16 leaves:")
+    for label, fn, args in kernels:
+        jax.clear_caches()
+        start = time.perf_counter()
+        compiled = jax.jit(fn).lower(*args).compile()
+        compiling = time.perf_counter() - start
+        jax.block_until_ready(compiled(*args))
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*args))
+        print(
+            f"    {label:40s} compile {compiling:6.2f} s, "
+            f"run {1e3 * (time.perf_counter() - start):8.3f} ms"
+        )
 
 
 def profile(name, fn, calls=3, top=15):

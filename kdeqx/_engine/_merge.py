@@ -349,7 +349,7 @@ def merge_sorted_into_best(best: Best, d2: Float[Array, " k"], indices) -> Best:
 
     No 64-bit keys: a TPU emulates them, and the packed merge (`merge_into_best`)
     was a large share of the time to compile a kNN query of the block engine there
-    (see `benchmarks/accelerator.py --compile-report`).
+    (see `benchmarks/accelerator.py --compile-kernels`).
     """
     k = d2.shape[0]
     size = _next_power_of_two(k)
@@ -410,7 +410,7 @@ def _lexicographic_min(d2: Float[Array, " m"], indices: Int[Array, " m"]):
 
     Two plain reductions, not one of both: a TPU took seconds to compile each
     reduction with two operands and a comparator of its own, and XLA:CPU ran it
-    several times slower (see `benchmarks/accelerator.py --compile-report`)."""
+    several times slower (see `benchmarks/accelerator.py --compile-kernels`)."""
     least = jnp.min(d2)
     at_least = jnp.where(d2 == least, indices, jnp.iinfo(indices.dtype).max)
     return least, jnp.min(at_least)
