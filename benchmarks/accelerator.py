@@ -324,7 +324,8 @@ def compile_parts(tree, x, k):
 
 def compile_kernels(tree, x, k=8, size=16):
     """The kernels of a kNN tile (the block engine's queries in blocks of `size`
-    against 16 leaves each), compiled and run alone: its distances, the k best of
+    against 16 leaves each), compiled and run alone: its distances (also from the
+    points' table and the queries laid out axis by axis beforehand), the k best of
     it, their merge into the k best so far, and the whole fold; each beside the way
     it was written before. Seconds to compile, and to run once compiled."""
     from kdeqx._engine import _blocks, _merge
@@ -370,8 +371,31 @@ def compile_kernels(tree, x, k=8, size=16):
     )
     visitor = _KNearest(k, jnp.asarray(jnp.inf, x.dtype), jnp.int32)
     init = _blocks._states_at_init(visitor, None, (blocks, size))
+    # The tile's distances from inputs already laid out axis by axis (the points'
+    # table transposed once, outside; the queries too): what the layouts cost.
+    by_axis = halves.leaf_points.T.reshape(halves.d, -1, halves.leaf_size)
+    queries_by_axis = jnp.moveaxis(xb, -1, 0)
+
+    def distances_from_axes(by_axis, queries, queries_last: bool):
+        d2 = 0
+        for j in range(halves.d):
+            axis = _gather_rows(by_axis[j], leaves).reshape(blocks, 1, -1)
+            query = queries[:, :, j, None] if queries_last else queries[j][..., None]
+            d2 = d2 + (axis - query) ** 2
+        return d2
+
     kernels = [
         ("distances of a tile", lambda: tiles().measure(leaves), ()),
+        (
+            "distances: points' table given by axis",
+            lambda t, x: distances_from_axes(t, x, True),
+            (by_axis, xb),
+        ),
+        (
+            "distances: points and queries by axis",
+            lambda t, x: distances_from_axes(t, x, False),
+            (by_axis, queries_by_axis),
+        ),
         (
             "least pair: one two-operand reduction",
             per_query(lexicographic_reduction),
@@ -421,6 +445,12 @@ def compile_kernels(tree, x, k=8, size=16):
             f"    {label:40s} compile {compiling:6.2f} s, "
             f"run {1e3 * (time.perf_counter() - start):8.3f} ms"
         )
+
+
+def _gather_rows(table, rows):
+    from kdeqx._backend import gather_clamped
+
+    return gather_clamped(table, rows)
 
 
 def profile(name, fn, calls=3, top=15):
