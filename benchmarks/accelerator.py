@@ -105,8 +105,8 @@ def main():
     parser.add_argument(
         "--compile-parts",
         action="store_true",
-        help="compile kNN with the block engine's stages cut away one by one: the "
-        "first pass alone, with the main stage, and whole",
+        help="compile kNN with the block engine's stages cut away one by one: no "
+        "search, the main stage, and whole",
     )
     parser.add_argument(
         "--compile-kernels",
@@ -293,25 +293,24 @@ def compile_report(name, fn, *args):
 
 def compile_parts(tree, x, k):
     """kNN compiled afresh with the block engine's later stages cut away (their
-    answers are then incomplete): the first pass alone; with the main stage; and
-    whole, with the search of overflowed blocks' queries alone. Where the compile
-    time goes, stage by stage."""
+    answers are then incomplete): the query's ordering and bookkeeping alone; with
+    the main stage (its first round folds the leaves nearest each block); and whole,
+    with the search of overflowed blocks' queries alone. Where the compile time
+    goes, stage by stage."""
     from kdeqx._engine import _blocks
 
     stage, alone = _blocks._stage, _blocks._alone
 
     def no_stage(steps, xb, vb, visitor_axis, init, own_reach, *args, **kwargs):
-        # States that read the first pass's reach, which would otherwise go unused.
-        unreached = jnp.any(own_reach < 0)
-        states = jax.tree.map(lambda s: jnp.where(unreached, 0, s), init)
-        return states, jnp.zeros(own_reach.shape[0], bool), kwargs.get("sink")
+        overflowed = jnp.zeros(own_reach.shape[0], bool)
+        return init, overflowed, kwargs.get("sink"), own_reach
 
     def no_alone(steps, x, visitors, visitor_axis, init, reach, states, *args):
         return states, args[-1]
 
     parts = [
-        ("first pass only", no_stage, no_alone),
-        ("first pass and main stage", stage, no_alone),
+        ("no search", no_stage, no_alone),
+        ("the main stage", stage, no_alone),
         ("whole", stage, alone),
     ]
     try:

@@ -8,12 +8,12 @@ gather, so this engine does the same search as a few large array operations:
    codes' top bits: it compiles a long sort for many seconds) and cut into blocks of
    consecutive queries (`kdeqx._backend.query_block_size`), each bounded by its
    bounding box.
-2. For a visitor whose reach narrows as it sees points (the k nearest), a first pass
-   shows each query the points of a few leaves around the one it descends to
-   (`AbstractVisitor.first_points`): its state then bounds how far a point may be
-   and still count (`AbstractVisitor.reach`). Other visitors reach a fixed distance
-   (a radius).
-3. A second pass goes down the tree level by level with each block's frontier of at
+2. For a visitor whose reach narrows as it sees points (the k nearest), a first
+   round shows each block's queries the points of the leaves nearest the block
+   (`AbstractVisitor.first_points`): their states then bound how far a point may
+   be and still count (`AbstractVisitor.reach`). Other visitors reach a fixed
+   distance (a radius).
+3. Each round goes down the tree level by level with each block's frontier of at
    most `budget` nodes, keeping every node whose box lies within the block's reach
    (the farthest of its queries'), nearest first (`kdeqx._backend.smallest_first`).
 4. The kept leaves are folded into the queries' states a chunk at a time, nearest
@@ -110,25 +110,27 @@ def _walk_blocks(tree, x, visitors, metric, visitor_axis, count, sink=None):
     flat = blocks * size
     real = (jnp.arange(flat) < q).reshape(blocks, size)
 
+    # A visitor whose reach narrows as it sees points first folds the leaves
+    # nearest its block, in the stage's first round (no search of its own: one
+    # fold fewer to compile).
     first_points = visitors.first_points()
+    first_chunks = None
     if first_points > 0:
         leaves = max(shape.nearest_leaves, -(-first_points // tree.leaf_size))
-        first = _first_states(steps, _Tiles(steps, xb), vb, visitor_axis, init, leaves)
-        own_reach = reach(vb, first)
-    else:
-        own_reach = reach(vb, init)
-    states, overflowed, sink = _stage(
+        first_chunks = -(-leaves // shape.chunk)
+    states, overflowed, sink, own_reach = _stage(
         steps,
         xb,
         vb,
         visitor_axis,
         init,
-        own_reach,
+        reach(vb, init),
         shape.budget,
         shape.chunk,
         exhaustive=False,
         sink=sink,
         real=real,
+        first_chunks=first_chunks,
     )
     # The queries of blocks that overflowed again, each a block of its own, within
     # its own reach: a curve's jump can make a block wide.
@@ -199,7 +201,7 @@ def _alone(steps, x, visitors, visitor_axis, init, reach, states, redo, shape, s
         rows = lax.dynamic_slice_in_dim(waiting, g * group, group)
         rows = jnp.where(slot < count, rows, 0)
         v = visitors if visitor_axis is None else _rows(visitors, rows)
-        found, _, sink = _stage(
+        found, _, sink, _ = _stage(
             steps,
             gather_clamped(x, rows),
             v,
@@ -242,6 +244,7 @@ def _stage(
     exhaustive: bool,
     sink: Sink | None = None,
     real: Bool[Array, "blocks size"] | None = None,
+    first_chunks: int | None = None,
 ):
     """The states of blocks of queries `xb`, from `init`, after every leaf within
     each block's reach (the largest of its queries' `own_reach`, narrowing as the
@@ -255,9 +258,14 @@ def _stage(
     leaf, pruned by box, if `exhaustive`; if not, its states are incomplete and it
     stays flagged (the caller searches it again).
 
+    With `first_chunks`, a first round folds only the first `first_chunks` chunks
+    of the nearest leaves, for a first bound on each query's reach from points near
+    it (for visitors whose reach narrows).
+
     With a `sink`, the records of the `real` queries of each block whose search
     completes are appended to it (an incomplete one emits nothing: its queries are
-    searched again). **Returns:** `(states, overflowed, sink)`.
+    searched again). **Returns:** `(states, overflowed, sink, reach)`, the last each
+    query's reach after the search (an upper bound for a search again).
     """
     tree = steps.tree
     index_dtype = tree.leaf_indices.dtype
@@ -278,14 +286,17 @@ def _stage(
     if whole is not None:
         assert sink is None, "a visitor that takes subtrees whole emits nothing"
 
-    def one_round(reach, active, last, sink):
+    first_pass = first_chunks is not None
+
+    def one_round(reach, active, first, last, sink):
         """The states of the `active` blocks after a search within `reach`, and
-        which of them outgrew the budget (those take every leaf if `last`)."""
+        which of them outgrew the budget (those take every leaf if `last`); in the
+        `first` round, after their first chunks, and all still active."""
         reach = jnp.where(active[:, None], reach, -jnp.inf)
         leaves, near_d2, overflowed, counted = _descend(
             steps, tiles, budget, reach, whole
         )
-        complete = active & (~overflowed | (last & exhaustive))
+        complete = active & ~first & (~overflowed | (last & exhaustive))
         emitting = None if sink is None else complete[:, None] & real
         states, sink = _fold_chunks(
             tiles,
@@ -300,35 +311,44 @@ def _stage(
             chunk,
             sink,
             emitting,
+            None
+            if first_chunks is None
+            else _chunks(first, first_chunks, budget, chunk),
         )
         if counted is not None:
             # A block that outgrew the budget has no complete frontier: it is
             # searched again, or takes every leaf (none of them whole).
             counted = jnp.where(overflowed[:, None], 0, counted)
             states = _visit_whole(vb, visitor_axis, states, counted)
-        return states, overflowed & active, sink
+        return states, jnp.where(first, active, overflowed & active), sink
 
     # Every round is one trace of the loop's body: each descent is a few top-k
     # selections, which are slow to compile on a TPU.
-    total = rounds + 1 if exhaustive else rounds
+    total = int(first_pass) + rounds + int(exhaustive)
 
     def again(carry):
         r, reach, states, active, sink = carry
         narrowed = jnp.minimum(reach, reach_of(states))
         reach = jnp.where(active[:, None] & (r > 0), narrowed, reach)
-        found, still, sink = one_round(reach, active, r == total - 1, sink)
+        first = (r == 0) & first_pass
+        found, still, sink = one_round(reach, active, first, r == total - 1, sink)
         states = jax.tree.map(
             lambda f, s: jnp.where(_along(active, s), f, s), found, states
         )
         return r + 1, reach, states, still, sink
 
     everywhere = jnp.ones(own_reach.shape[0], bool)
-    _, _, states, overflowed, sink = lax.while_loop(
+    _, reach, states, overflowed, sink = lax.while_loop(
         lambda c: (c[0] < total) & jnp.any(c[3]),
         again,
         (jnp.zeros((), index_dtype), own_reach, init, everywhere, sink),
     )
-    return states, overflowed, sink
+    return states, overflowed, sink, jnp.minimum(reach, reach_of(states))
+
+
+def _chunks(first, first_chunks: int, budget: int, chunk: int) -> Int[Array, ""]:
+    """How many chunks of its leaves a round folds at most."""
+    return jnp.where(first, first_chunks, budget // chunk)
 
 
 # How many times a block of narrowing visitors whose frontier outgrew the budget
@@ -353,18 +373,20 @@ def _fold_chunks(
     chunk,
     sink=None,
     emitting=None,
+    limit=None,
 ):
     """`init` with each block's listed `leaves` folded in, nearest first, `chunk`
     at a time, until the next chunk's nearest box lies beyond the block's reach
-    (as the states narrow it). Blocks flagged in `every` (unless `None`) take every
-    leaf of the tree within reach instead, in index order (`_every_within_reach`).
+    (as the states narrow it), or after `limit` chunks (unless `None`). Blocks
+    flagged in `every` (unless `None`) take every leaf of the tree within reach
+    instead, in index order (`_every_within_reach`).
     With a `sink`, the records of the queries flagged in `emitting` are appended to
     it.
 
     **Returns:** `(states, sink)`."""
     budget = leaves.shape[1]
     index_dtype = leaves.dtype
-    chunks = budget // chunk
+    chunks = budget // chunk if limit is None else limit
 
     def within_reach(leaves, reach):
         """`leaves`, `-1` where no query of the block is within reach of them."""
@@ -571,15 +593,6 @@ class _Tiles(eqx.Module):
         assert emitting is not None
         emits = emits & emitting[..., None]
         return states, sink.appended(emits, found, weights)
-
-
-def _first_states(steps: _Steps, tiles: _Tiles, visitors, visitor_axis, init, m):
-    """The states after each block's queries have seen the points of the `m`
-    leaves nearest to some query of the block (found as `_descend` finds leaves,
-    keeping the nearest): a first bound on each query's reach, from points near
-    it."""
-    nearest, _, _, _ = _descend(steps, tiles, m, None)
-    return tiles.fold(visitors, visitor_axis, init, nearest)[0]
 
 
 # The descent goes this many levels a step (the nodes `2**STRIDE` levels below a
