@@ -98,6 +98,9 @@ def test_tiny_budgets_take_every_fallback_and_stay_exact(
     knn = jax.jit(lambda t, x: t.query(x, k=6))
     count = jax.jit(lambda t, x, r: t.count_ball_point(x, r))
     np.testing.assert_array_equal(knn(tree, x)[1], knn(walk, x)[1])
+    # More points for a first bound than the budget's leaves hold.
+    many = jax.jit(lambda t, x: t.query(x, k=40))
+    np.testing.assert_array_equal(many(tree, x)[1], many(walk, x)[1])
     for r in (0.2, 0.6):  # a few leaves within reach; many
         np.testing.assert_array_equal(count(tree, x, r), count(walk, x, r))
         expected = cKDTree(points).query_ball_point(x, r, return_length=True)

@@ -117,7 +117,8 @@ def _walk_blocks(tree, x, visitors, metric, visitor_axis, count, sink=None):
     first_chunks = None
     if first_points > 0:
         leaves = max(shape.nearest_leaves, -(-first_points // tree.leaf_size))
-        first_chunks = -(-leaves // shape.chunk)
+        # No more than the budget lists (the chunks past it would repeat its last).
+        first_chunks = min(-(-leaves // shape.chunk), shape.budget // shape.chunk)
     states, overflowed, sink, own_reach = _stage(
         steps,
         xb,
