@@ -528,15 +528,18 @@ class _Tiles(eqx.Module):
         """An upper bound on the powered distance from each query of each block to
         the points of nodes whose boxes are given as rows `(lo, hi)` of `2 d`."""
         d = self.queries.shape[-1]
-        x = [self.queries[:, :, j, None] for j in range(d)]
         lo = [rows[:, None, :, j] for j in range(d)]
         hi = [rows[:, None, :, d + j] for j in range(d)]
+        x = self._query_axes()
         return self.steps.metric.box_upper_bound(x, lo, hi, self.steps.period)
+
+    def _query_axes(self) -> list[Float[Array, "blocks size 1"]]:
+        return [self.queries[:, :, j, None] for j in range(self.queries.shape[-1])]
 
     def _axes_box_d2(self, lo: list, hi: list, nodes):
         """`box_d2` of `nodes` whose boxes are given axis by axis, `(blocks, m)`."""
         steps = self.steps
-        x = [self.queries[:, :, j, None] for j in range(self.queries.shape[-1])]
+        x = self._query_axes()
         lo, hi = ([a[:, None, :] for a in bounds] for bounds in (lo, hi))
         d2 = steps.metric.box_lower_bound((x, x), lo, hi, steps.period)
         if steps.prune_factor is not None:
@@ -658,6 +661,7 @@ def _descend(steps: _Steps, tiles: _Tiles, width: int, reach, whole=None):
     overflowed = jnp.zeros(blocks, bool)
     box_d2 = jnp.zeros((blocks, 1), tiles.queries.dtype)
     counted = None if whole is None else jnp.zeros(whole.shape, index_dtype)
+    before = None if whole is None else _points_before_leaves(tree)
     level = 0
     for down, kept in _schedule(depth, width):
         span = 2**down
@@ -672,11 +676,11 @@ def _descend(steps: _Steps, tiles: _Tiles, width: int, reach, whole=None):
             d2 = jnp.min(d2, axis=1)
         else:
             needed = d2 <= reach[:, :, None]
-            if whole is not None and counted is not None:
+            if whole is not None and counted is not None and before is not None:
                 inside = needed & (tiles.row_far_d2(rows) <= whole[:, :, None])
                 needed = needed & ~inside
                 dropped = inside & ~jnp.any(needed, axis=1, keepdims=True)
-                points = _points_in_nodes(steps, children, depth - level)
+                points = _points_in_nodes(tree, before, children, depth - level)
                 counted = counted + jnp.sum(
                     jnp.where(dropped, points[:, None, :], 0), axis=2, dtype=index_dtype
                 )
@@ -693,14 +697,18 @@ def _descend(steps: _Steps, tiles: _Tiles, width: int, reach, whole=None):
     return leaves, box_d2, overflowed, counted
 
 
-def _points_in_nodes(steps: _Steps, nodes: Int[Array, "..."], height: int):
-    """How many points the `nodes` (`-1`: none), `height` levels above the leaves,
-    hold: each covers `2**height` consecutive leaves."""
-    tree = steps.tree
+def _points_before_leaves(tree) -> Int[Array, " m"]:
+    """How many points the leaves before each leaf hold (and all of them, last)."""
     index_dtype = tree.leaf_indices.dtype
     real = tree.leaf_indices.reshape(-1, tree.leaf_size) < tree.n
     per_leaf = jnp.sum(real, axis=1, dtype=index_dtype)
-    before = jnp.concatenate([jnp.zeros(1, index_dtype), jnp.cumsum(per_leaf)])
+    return jnp.concatenate([jnp.zeros(1, index_dtype), jnp.cumsum(per_leaf)])
+
+
+def _points_in_nodes(tree, before, nodes: Int[Array, "..."], height: int):
+    """How many points the `nodes` (`-1`: none), `height` levels above the leaves,
+    hold: each covers `2**height` consecutive leaves (`before`:
+    `_points_before_leaves`)."""
     first = (nodes + 1) * 2**height - tree.num_leaves
     first = jnp.clip(first, 0, tree.num_leaves - 2**height)
     points = before[first + 2**height] - before[first]
