@@ -105,8 +105,8 @@ def main():
     parser.add_argument(
         "--compile-parts",
         action="store_true",
-        help="compile kNN with the block engine's stages cut away one by one: no "
-        "search, the main stage, and whole",
+        help="compile kNN with the block engine's stages cut away one by one: the "
+        "first pass alone, with the main stage, and whole",
     )
     parser.add_argument(
         "--compile-kernels",
@@ -293,24 +293,25 @@ def compile_report(name, fn, *args):
 
 def compile_parts(tree, x, k):
     """kNN compiled afresh with the block engine's later stages cut away (their
-    answers are then incomplete): the query's ordering and bookkeeping alone; with
-    the main stage (its first round folds the leaves nearest each block); and whole,
-    with the search of overflowed blocks' queries alone. Where the compile time
-    goes, stage by stage."""
+    answers are then incomplete): the first pass alone; with the main stage; and
+    whole, with the search of overflowed blocks' queries alone. Where the compile
+    time goes, stage by stage."""
     from kdeqx._engine import _blocks
 
     stage, alone = _blocks._stage, _blocks._alone
 
     def no_stage(steps, xb, vb, visitor_axis, init, own_reach, *args, **kwargs):
-        overflowed = jnp.zeros(own_reach.shape[0], bool)
-        return init, overflowed, kwargs.get("sink"), own_reach
+        # States that read the first pass's reach, which would otherwise go unused.
+        unreached = jnp.any(own_reach < 0)
+        states = jax.tree.map(lambda s: jnp.where(unreached, 0, s), init)
+        return states, jnp.zeros(own_reach.shape[0], bool), kwargs.get("sink")
 
     def no_alone(steps, x, visitors, visitor_axis, init, reach, states, *args):
         return states, args[-1]
 
     parts = [
-        ("no search", no_stage, no_alone),
-        ("the main stage", stage, no_alone),
+        ("first pass only", no_stage, no_alone),
+        ("first pass and main stage", stage, no_alone),
         ("whole", stage, alone),
     ]
     try:
@@ -338,9 +339,10 @@ def compile_kernels(tree, x, k=8, size=16):
     rng = np.random.default_rng(1)
     leaves = jnp.asarray(rng.integers(0, halves.num_leaves, (blocks, 16)), jnp.int32)
 
-    def tiles():
-        steps = _Steps(halves, Minkowski(2.0))
-        return _blocks._Tiles(steps, xb)
+    def tiles(tree=halves, queries=xb):
+        # Called with the tree and queries as arguments of the jitted kernel: as
+        # constants, XLA would fold their layouts into the compile.
+        return _blocks._Tiles(_Steps(tree, Minkowski(2.0)), queries)
 
     def per_query(f):
         return jax.vmap(jax.vmap(f, (0, None)), (0, 0))
@@ -384,7 +386,7 @@ def compile_kernels(tree, x, k=8, size=16):
         return d2
 
     kernels = [
-        ("distances of a tile", lambda: tiles().measure(leaves), ()),
+        ("distances of a tile", lambda t, x: tiles(t, x).measure(leaves), (halves, xb)),
         (
             "distances: points' table given by axis",
             lambda t, x: distances_from_axes(t, x, True),
@@ -427,8 +429,8 @@ def compile_kernels(tree, x, k=8, size=16):
         ),
         (
             "fold: the whole tile",
-            lambda: tiles().fold(visitor, None, init, leaves)[0],
-            (),
+            lambda t, x: tiles(t, x).fold(visitor, None, init, leaves)[0],
+            (halves, xb),
         ),
     ]
     print(f"  kernels of a kNN tile, {blocks} blocks of {size} queries x 16 leaves:")

@@ -77,9 +77,8 @@ def step_cap(backend: str | None = None) -> int:
 
 class BlockShape(NamedTuple):
     """How the block engine (`kdeqx._engine._blocks`) cuts its work: queries per
-    block, the leaves its first round folds for a first bound (at most the
-    budget), the most leaves a block's frontier keeps, and the leaves measured per
-    tile."""
+    block, the leaves of its first pass, the most leaves a block's frontier keeps,
+    and the leaves measured per tile."""
 
     block_size: int
     nearest_leaves: int
@@ -87,7 +86,7 @@ class BlockShape(NamedTuple):
     chunk: int
 
 
-# Queries per block, first-round leaves, frontier budget and chunk, in leaves of 16 or
+# Queries per block, first-pass leaves, frontier budget and chunk, in leaves of 16 or
 # 32 points: see `benchmarks/accelerator.py`, `--shapes`.
 _BLOCK_SHAPE = BlockShape(block_size=16, nearest_leaves=32, budget=128, chunk=16)
 

@@ -8,12 +8,12 @@ gather, so this engine does the same search as a few large array operations:
    codes' top bits: it compiles a long sort for many seconds) and cut into blocks of
    consecutive queries (`kdeqx._backend.query_block_size`), each bounded by its
    bounding box.
-2. For a visitor whose reach narrows as it sees points (the k nearest), a first
-   round shows each block's queries the points of the leaves nearest the block
-   (`AbstractVisitor.first_points`): their states then bound how far a point may
-   be and still count (`AbstractVisitor.reach`). Other visitors reach a fixed
-   distance (a radius).
-3. Each round goes down the tree level by level with each block's frontier of at
+2. For a visitor whose reach narrows as it sees points (the k nearest), a first pass
+   shows each query the points of a few leaves around the one it descends to
+   (`AbstractVisitor.first_points`): its state then bounds how far a point may be
+   and still count (`AbstractVisitor.reach`). Other visitors reach a fixed distance
+   (a radius).
+3. A second pass goes down the tree level by level with each block's frontier of at
    most `budget` nodes, keeping every node whose box lies within the block's reach
    (the farthest of its queries'), nearest first (`kdeqx._backend.smallest_first`).
 4. The kept leaves are folded into the queries' states a chunk at a time, nearest
@@ -27,6 +27,7 @@ wrong). The number of sequential steps depends on the tree's depth and on the ch
 a block needs, not on the number of queries.
 """
 
+import functools as ft
 import typing
 
 import equinox as eqx
@@ -110,28 +111,25 @@ def _walk_blocks(tree, x, visitors, metric, visitor_axis, count, sink=None):
     flat = blocks * size
     real = (jnp.arange(flat) < q).reshape(blocks, size)
 
-    # A visitor whose reach narrows as it sees points first folds the leaves
-    # nearest its block, in the stage's first round (no search of its own: one
-    # fold fewer to compile).
     first_points = visitors.first_points()
-    first_chunks = None
     if first_points > 0:
         leaves = max(shape.nearest_leaves, -(-first_points // tree.leaf_size))
-        # No more than the budget lists (the chunks past it would repeat its last).
-        first_chunks = min(-(-leaves // shape.chunk), shape.budget // shape.chunk)
-    states, overflowed, sink, own_reach = _stage(
+        first = _first_states(steps, _Tiles(steps, xb), vb, visitor_axis, init, leaves)
+        own_reach = reach(vb, first)
+    else:
+        own_reach = reach(vb, init)
+    states, overflowed, sink = _stage(
         steps,
         xb,
         vb,
         visitor_axis,
         init,
-        reach(vb, init),
+        own_reach,
         shape.budget,
         shape.chunk,
         exhaustive=False,
         sink=sink,
         real=real,
-        first_chunks=first_chunks,
     )
     # The queries of blocks that overflowed again, each a block of its own, within
     # its own reach: a curve's jump can make a block wide.
@@ -202,7 +200,7 @@ def _alone(steps, x, visitors, visitor_axis, init, reach, states, redo, shape, s
         rows = lax.dynamic_slice_in_dim(waiting, g * group, group)
         rows = jnp.where(slot < count, rows, 0)
         v = visitors if visitor_axis is None else _rows(visitors, rows)
-        found, _, sink, _ = _stage(
+        found, _, sink = _stage(
             steps,
             gather_clamped(x, rows),
             v,
@@ -245,7 +243,6 @@ def _stage(
     exhaustive: bool,
     sink: Sink | None = None,
     real: Bool[Array, "blocks size"] | None = None,
-    first_chunks: int | None = None,
 ):
     """The states of blocks of queries `xb`, from `init`, after every leaf within
     each block's reach (the largest of its queries' `own_reach`, narrowing as the
@@ -259,14 +256,9 @@ def _stage(
     leaf, pruned by box, if `exhaustive`; if not, its states are incomplete and it
     stays flagged (the caller searches it again).
 
-    With `first_chunks`, a first round folds only the first `first_chunks` chunks
-    of the nearest leaves, for a first bound on each query's reach from points near
-    it (for visitors whose reach narrows).
-
     With a `sink`, the records of the `real` queries of each block whose search
     completes are appended to it (an incomplete one emits nothing: its queries are
-    searched again). **Returns:** `(states, overflowed, sink, reach)`, the last each
-    query's reach after the search (an upper bound for a search again).
+    searched again). **Returns:** `(states, overflowed, sink)`.
     """
     tree = steps.tree
     index_dtype = tree.leaf_indices.dtype
@@ -287,17 +279,14 @@ def _stage(
     if whole is not None:
         assert sink is None, "a visitor that takes subtrees whole emits nothing"
 
-    first_pass = first_chunks is not None
-
-    def one_round(reach, active, first, last, sink):
+    def one_round(reach, active, last, sink):
         """The states of the `active` blocks after a search within `reach`, and
-        which of them outgrew the budget (those take every leaf if `last`); in the
-        `first` round, after their first chunks, and all still active."""
+        which of them outgrew the budget (those take every leaf if `last`)."""
         reach = jnp.where(active[:, None], reach, -jnp.inf)
         leaves, near_d2, overflowed, counted = _descend(
             steps, tiles, budget, reach, whole
         )
-        complete = active & ~first & (~overflowed | (last & exhaustive))
+        complete = active & (~overflowed | (last & exhaustive))
         emitting = None if sink is None else complete[:, None] & real
         states, sink = _fold_chunks(
             tiles,
@@ -312,44 +301,35 @@ def _stage(
             chunk,
             sink,
             emitting,
-            None
-            if first_chunks is None
-            else _chunks(first, first_chunks, budget, chunk),
         )
         if counted is not None:
             # A block that outgrew the budget has no complete frontier: it is
             # searched again, or takes every leaf (none of them whole).
             counted = jnp.where(overflowed[:, None], 0, counted)
             states = _visit_whole(vb, visitor_axis, states, counted)
-        return states, jnp.where(first, active, overflowed & active), sink
+        return states, overflowed & active, sink
 
     # Every round is one trace of the loop's body: each descent is a few top-k
     # selections, which are slow to compile on a TPU.
-    total = int(first_pass) + rounds + int(exhaustive)
+    total = rounds + 1 if exhaustive else rounds
 
     def again(carry):
         r, reach, states, active, sink = carry
         narrowed = jnp.minimum(reach, reach_of(states))
         reach = jnp.where(active[:, None] & (r > 0), narrowed, reach)
-        first = (r == 0) & first_pass
-        found, still, sink = one_round(reach, active, first, r == total - 1, sink)
+        found, still, sink = one_round(reach, active, r == total - 1, sink)
         states = jax.tree.map(
             lambda f, s: jnp.where(_along(active, s), f, s), found, states
         )
         return r + 1, reach, states, still, sink
 
     everywhere = jnp.ones(own_reach.shape[0], bool)
-    _, reach, states, overflowed, sink = lax.while_loop(
+    _, _, states, overflowed, sink = lax.while_loop(
         lambda c: (c[0] < total) & jnp.any(c[3]),
         again,
         (jnp.zeros((), index_dtype), own_reach, init, everywhere, sink),
     )
-    return states, overflowed, sink, jnp.minimum(reach, reach_of(states))
-
-
-def _chunks(first, first_chunks: int, budget: int, chunk: int) -> Int[Array, ""]:
-    """How many chunks of its leaves a round folds at most."""
-    return jnp.where(first, first_chunks, budget // chunk)
+    return states, overflowed, sink
 
 
 # How many times a block of narrowing visitors whose frontier outgrew the budget
@@ -374,20 +354,18 @@ def _fold_chunks(
     chunk,
     sink=None,
     emitting=None,
-    limit=None,
 ):
     """`init` with each block's listed `leaves` folded in, nearest first, `chunk`
     at a time, until the next chunk's nearest box lies beyond the block's reach
-    (as the states narrow it), or after `limit` chunks (unless `None`). Blocks
-    flagged in `every` (unless `None`) take every leaf of the tree within reach
-    instead, in index order (`_every_within_reach`).
+    (as the states narrow it). Blocks flagged in `every` (unless `None`) take every
+    leaf of the tree within reach instead, in index order (`_every_within_reach`).
     With a `sink`, the records of the queries flagged in `emitting` are appended to
     it.
 
     **Returns:** `(states, sink)`."""
     budget = leaves.shape[1]
     index_dtype = leaves.dtype
-    chunks = budget // chunk if limit is None else limit
+    chunks = budget // chunk
 
     def within_reach(leaves, reach):
         """`leaves`, `-1` where no query of the block is within reach of them."""
@@ -410,10 +388,19 @@ def _fold_chunks(
         listed = jnp.where(listed_left[:, None], listed, -1)
         if every is None:
             return within_reach(listed, reach), listed_left, scanned
-        found, after = _every_within_reach(tiles, within_reach, reach, scanned, chunk)
-        taken = jnp.where(every[:, None], found, within_reach(listed, reach))
-        left = jnp.where(every, scanned < tiles.steps.tree.num_leaves, listed_left)
-        return taken, left, jnp.where(every, after, scanned)
+
+        def listed_only():
+            return within_reach(listed, reach), listed_left, scanned
+
+        def every_leaf():
+            found, after = _every_within_reach(tiles, reach, scanned, chunk)
+            taken = jnp.where(every[:, None], found, within_reach(listed, reach))
+            left = jnp.where(every, scanned < tiles.steps.tree.num_leaves, listed_left)
+            return taken, left, jnp.where(every, after, scanned)
+
+        # The scan's window of box tests is costly on a TPU (see
+        # `benchmarks/accelerator.py`): skipped while no block takes every leaf.
+        return lax.cond(jnp.any(every), every_leaf, listed_only)
 
     def chunk_at(c, states, scanned):
         """Chunk `c`'s leaves for each block, whether any block has one, and the
@@ -437,7 +424,7 @@ def _fold_chunks(
     return states, sink
 
 
-def _every_within_reach(tiles, within_reach, reach, scanned, chunk: int):
+def _every_within_reach(tiles, reach, scanned, chunk: int):
     """The next `chunk` leaves within reach of each block from leaf `scanned` on
     (`-1` for none), in index order, and the leaf to go on from.
 
@@ -451,7 +438,8 @@ def _every_within_reach(tiles, within_reach, reach, scanned, chunk: int):
     window = min(EVERY_WINDOW * chunk, num_leaves)
     candidates = scanned[:, None] + jnp.arange(window, dtype=index_dtype)
     candidates = jnp.where(candidates < num_leaves, candidates, -1)
-    near = within_reach(candidates, reach) >= 0
+    d2 = tiles.window_box_d2(scanned, candidates)
+    near = jnp.any(d2 <= reach[:, :, None], axis=1)
     rank = jnp.cumsum(near, axis=1, dtype=index_dtype) - 1
     slot = jnp.where(near & (rank < chunk), rank, chunk)  # `chunk`: not taken
     found = jax.vmap(
@@ -550,6 +538,25 @@ class _Tiles(eqx.Module):
         nodes = jnp.where(leaves >= 0, leaves + self.steps.first_leaf, -1)
         return self.box_d2(nodes)
 
+    def window_box_d2(
+        self, first: Int[Array, " blocks"], leaves: Int[Array, "blocks m"]
+    ) -> Float[Array, "blocks size m"]:
+        """`leaf_box_d2` of `leaves`, each block's `m` consecutive leaves from
+        `first` on (`-1` past the last leaf): each axis of their boxes is taken as
+        one slice per block, not leaf by leaf (a TPU gathers slices far faster than
+        scalars)."""
+        steps = self.steps
+        window = leaves.shape[1]
+        start = first + steps.first_leaf
+
+        def slices(a: Float[Array, " nodes"]) -> Float[Array, "blocks m"]:
+            a = jnp.pad(a, (0, window))  # a slice from any leaf stays within it
+            return jax.vmap(lambda s: lax.dynamic_slice_in_dim(a, s, window))(start)
+
+        lo, hi = ([slices(a) for a in axes] for axes in steps.box_axes)
+        nodes = jnp.where(leaves >= 0, leaves + steps.first_leaf, -1)
+        return self._axes_box_d2(lo, hi, nodes)
+
     def measure(self, leaves: Int[Array, "blocks m"]):
         """The powered distances from each block's queries to the points of its
         `leaves` (`-1`: none), `(blocks, size, m * leaf_size)`, and the points'
@@ -597,6 +604,15 @@ class _Tiles(eqx.Module):
         assert emitting is not None
         emits = emits & emitting[..., None]
         return states, sink.appended(emits, found, weights)
+
+
+def _first_states(steps: _Steps, tiles: _Tiles, visitors, visitor_axis, init, m):
+    """The states after each block's queries have seen the points of the `m`
+    leaves nearest to some query of the block (found as `_descend` finds leaves,
+    keeping the nearest): a first bound on each query's reach, from points near
+    it."""
+    nearest, _, _, _ = _descend(steps, tiles, m, None)
+    return tiles.fold(visitors, visitor_axis, init, nearest)[0]
 
 
 # The descent goes this many levels a step (the nodes `2**STRIDE` levels below a
@@ -680,7 +696,9 @@ def _descend(steps: _Steps, tiles: _Tiles, width: int, reach, whole=None):
                 inside = needed & (tiles.row_far_d2(rows) <= whole[:, :, None])
                 needed = needed & ~inside
                 dropped = inside & ~jnp.any(needed, axis=1, keepdims=True)
-                points = _points_in_nodes(tree, before, children, depth - level)
+                points = _points_in_children(
+                    tree, before, frontier, span, depth - level
+                )
                 counted = counted + jnp.sum(
                     jnp.where(dropped, points[:, None, :], 0), axis=2, dtype=index_dtype
                 )
@@ -705,11 +723,19 @@ def _points_before_leaves(tree) -> Int[Array, " m"]:
     return jnp.concatenate([jnp.zeros(1, index_dtype), jnp.cumsum(per_leaf)])
 
 
-def _points_in_nodes(tree, before, nodes: Int[Array, "..."], height: int):
-    """How many points the `nodes` (`-1`: none), `height` levels above the leaves,
-    hold: each covers `2**height` consecutive leaves (`before`:
-    `_points_before_leaves`)."""
-    first = (nodes + 1) * 2**height - tree.num_leaves
-    first = jnp.clip(first, 0, tree.num_leaves - 2**height)
-    points = before[first + 2**height] - before[first]
-    return jnp.where(nodes >= 0, points, 0)
+def _points_in_children(
+    tree, before, frontier: Int[Array, "blocks f"], span: int, height: int
+) -> Int[Array, "blocks m"]:
+    """How many points the `span` descendants of each `frontier` node (`-1`: none)
+    hold, `height` levels above the leaves, where each covers `2**height`
+    consecutive leaves (`before`: `_points_before_leaves`). A frontier node's
+    descendants are consecutive, so their bounds are one slice of `before` taken at
+    every `2**height`-th leaf (a TPU gathers slices far faster than scalars)."""
+    stride = 2**height
+    bounds = before[::stride]  # at the descendants' first leaves, and after the last
+    start = (frontier + 1) * span - tree.num_leaves // stride
+    start = jnp.clip(start, 0, bounds.shape[0] - span - 1)
+    slice_at = ft.partial(lax.dynamic_slice_in_dim, bounds, slice_size=span + 1)
+    taken = jax.vmap(jax.vmap(slice_at))(start)
+    points = jnp.where(frontier[..., None] >= 0, taken[..., 1:] - taken[..., :-1], 0)
+    return points.reshape(frontier.shape[0], -1)
