@@ -27,7 +27,6 @@ wrong). The number of sequential steps depends on the tree's depth and on the ch
 a block needs, not on the number of queries.
 """
 
-import functools as ft
 import typing
 
 import equinox as eqx
@@ -435,10 +434,16 @@ def _every_within_reach(tiles, reach, scanned, chunk: int):
     """
     num_leaves = tiles.steps.tree.num_leaves
     index_dtype = scanned.dtype
-    window = min(EVERY_WINDOW * chunk, num_leaves)
-    candidates = scanned[:, None] + jnp.arange(window, dtype=index_dtype)
-    candidates = jnp.where(candidates < num_leaves, candidates, -1)
-    d2 = tiles.window_box_d2(scanned, candidates)
+    # Whole chunks of leaves from the one `scanned` lies in: rows of a table.
+    rows = min(EVERY_WINDOW, -(-num_leaves // chunk))
+    window = rows * chunk
+    row = scanned // chunk
+    start = row * chunk
+    candidates = start[:, None] + jnp.arange(window, dtype=index_dtype)
+    wanted = (candidates >= scanned[:, None]) & (candidates < num_leaves)
+    candidates = jnp.where(wanted, candidates, -1)
+    table_rows = row[:, None] + jnp.arange(rows, dtype=index_dtype)
+    d2 = tiles.rows_box_d2(table_rows, candidates)
     near = jnp.any(d2 <= reach[:, :, None], axis=1)
     rank = jnp.cumsum(near, axis=1, dtype=index_dtype) - 1
     slot = jnp.where(near & (rank < chunk), rank, chunk)  # `chunk`: not taken
@@ -447,7 +452,7 @@ def _every_within_reach(tiles, reach, scanned, chunk: int):
     )(slot, candidates)
     # On from the first leaf within reach that did not fit, or past the window.
     missed = jnp.where(near & (rank >= chunk), candidates, num_leaves)
-    after = jnp.minimum(jnp.min(missed, axis=1), scanned + window)
+    after = jnp.minimum(jnp.min(missed, axis=1), start + window)
     return found, after
 
 
@@ -538,22 +543,24 @@ class _Tiles(eqx.Module):
         nodes = jnp.where(leaves >= 0, leaves + self.steps.first_leaf, -1)
         return self.box_d2(nodes)
 
-    def window_box_d2(
-        self, first: Int[Array, " blocks"], leaves: Int[Array, "blocks m"]
+    def rows_box_d2(
+        self, rows: Int[Array, "blocks r"], leaves: Int[Array, "blocks m"]
     ) -> Float[Array, "blocks size m"]:
-        """`leaf_box_d2` of `leaves`, each block's `m` consecutive leaves from
-        `first` on (`-1` past the last leaf): each axis of their boxes is taken as
-        one slice per block, not leaf by leaf (a TPU gathers slices far faster than
-        scalars)."""
+        """`leaf_box_d2` of `leaves`, the leaves of rows `rows` of a table of
+        `m // r` leaves a row (`-1` where not wanted): the boxes gathered a row at a
+        time, not leaf by leaf (a TPU gathers rows far faster than scalars)."""
         steps = self.steps
-        window = leaves.shape[1]
-        start = first + steps.first_leaf
+        blocks, m = leaves.shape
+        width = m // rows.shape[1]
+        num_leaves = steps.tree.num_leaves
+        padding = -num_leaves % width
 
-        def slices(a: Float[Array, " nodes"]) -> Float[Array, "blocks m"]:
-            a = jnp.pad(a, (0, window))  # a slice from any leaf stays within it
-            return jax.vmap(lambda s: lax.dynamic_slice_in_dim(a, s, window))(start)
+        def gathered(a: Float[Array, " nodes"]) -> Float[Array, "blocks m"]:
+            table = a[steps.first_leaf : steps.first_leaf + num_leaves]
+            table = jnp.pad(table, (0, padding)).reshape(-1, width)
+            return gather_clamped(table, rows).reshape(blocks, m)
 
-        lo, hi = ([slices(a) for a in axes] for axes in steps.box_axes)
+        lo, hi = ([gathered(a) for a in axes] for axes in steps.box_axes)
         nodes = jnp.where(leaves >= 0, leaves + steps.first_leaf, -1)
         return self._axes_box_d2(lo, hi, nodes)
 
@@ -728,14 +735,13 @@ def _points_in_children(
 ) -> Int[Array, "blocks m"]:
     """How many points the `span` descendants of each `frontier` node (`-1`: none)
     hold, `height` levels above the leaves, where each covers `2**height`
-    consecutive leaves (`before`: `_points_before_leaves`). A frontier node's
-    descendants are consecutive, so their bounds are one slice of `before` taken at
-    every `2**height`-th leaf (a TPU gathers slices far faster than scalars)."""
-    stride = 2**height
-    bounds = before[::stride]  # at the descendants' first leaves, and after the last
-    start = (frontier + 1) * span - tree.num_leaves // stride
-    start = jnp.clip(start, 0, bounds.shape[0] - span - 1)
-    slice_at = ft.partial(lax.dynamic_slice_in_dim, bounds, slice_size=span + 1)
-    taken = jax.vmap(jax.vmap(slice_at))(start)
-    points = jnp.where(frontier[..., None] >= 0, taken[..., 1:] - taken[..., :-1], 0)
+    consecutive leaves (`before`: `_points_before_leaves`). The frontier's nodes
+    share a level, whose `j`-th node's descendants are row `j` of a table of their
+    counts: gathered as rows, as the descent gathers boxes (a TPU gathers rows far
+    faster than scalars, and short slices one at a time)."""
+    bounds = before[:: 2**height]  # at each descendant's first leaf, and the end
+    counts = (bounds[1:] - bounds[:-1]).reshape(-1, span)
+    # The level's first node, `2**level - 1`, has row 0; the level has a row a node.
+    rows = gather_clamped(counts, frontier + 1 - counts.shape[0])
+    points = jnp.where(frontier[..., None] >= 0, rows, 0)
     return points.reshape(frontier.shape[0], -1)
