@@ -5,12 +5,11 @@ A device is lent for minutes at a time (`benchmarks/gpu.py` is prepared to run t
 once): a script that fails there wastes the loan, so it is run here first.
 """
 
+import os
 import pathlib
 import re
 import subprocess
 import sys
-
-from .helpers import environment_with_xla_defaults
 
 
 SCRIPT = pathlib.Path(__file__).parent.parent / "benchmarks" / "gpu.py"
@@ -22,7 +21,9 @@ SMALL += ["--local-n", "2e4", "--local-queries", "2e3"]
 def test_gpu_script_runs_and_its_answers_agree():
     result = subprocess.run(
         [sys.executable, str(SCRIPT), *SMALL],
-        env=environment_with_xla_defaults(),  # as on the device
+        # The suite's quicker-to-compile options: the script's answers are checked,
+        # not its times, and its compile dominates.
+        env=os.environ,
         capture_output=True,
         text=True,
         timeout=600,
