@@ -121,6 +121,12 @@ def main():
     )
     parser.add_argument("--skip-jaxkd", action="store_true")
     parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="only the build, kNN and count_ball_point, on both point sets: a check "
+        "of the engine in a few minutes (no brute force, jaxkd, lists or IDW)",
+    )
+    parser.add_argument(
         "--walk", action="store_true", help="also time kNN with the walk engine"
     )
     parser.add_argument(
@@ -179,6 +185,9 @@ def main():
             )
         if args.shapes:
             shapes(tree, x_dev, k, t_scipy, sd, si)
+        if args.quick:
+            count_ball_point(tree, ref, queries, x_dev, r)
+            continue
         if k == 8:
             bq = int(args.brute_queries)
             bf, bb, (bd, bi) = first_and_best(lambda: brute_knn8(p_dev, x_dev[:bq]), 1)
@@ -190,16 +199,7 @@ def main():
             check("brute", bd, bi, sd[:bq], si[:bq])
         if not args.skip_jaxkd:
             jaxkd_knn(p_dev, x_dev, k, best, sd, si)
-        t_count, sc = host_best(
-            lambda: ref.query_ball_point(queries, r, workers=-1, return_length=True)
-        )
-        count = jax.jit(lambda t, x: t.count_ball_point(x, r))
-        first, best_c, c = first_and_best(lambda: count(tree, x_dev))
-        print(
-            f"count_ball_point r={r:.4f} (mean {sc.mean():.1f}): first {first:.2f} s, "
-            f"steady {best_c:.4f} s = {best_c / t_count:.2f}x scipy "
-            f"({t_count:.4f} s); equal {np.mean(np.asarray(c) == sc):.6f}"
-        )
+        count_ball_point(tree, ref, queries, x_dev, r)
         t_lists, _ = host_best(lambda: ref.query_ball_point(queries, r, workers=-1))
         ball = jax.jit(lambda t, x: t.query_ball_point(x, r, max_neighbors=64))
         first, best_b, _ = first_and_best(lambda: ball(tree, x_dev))
@@ -214,6 +214,20 @@ def main():
         print(f"IDW k=8 Q={q}: first {first:.2f} s, steady {best_i:.4f} s")
         if args.part2:
             part2(tree, ref, pts, queries, r, int(args.local_queries))
+
+
+def count_ball_point(tree, ref, queries, x_dev, r):
+    """`count_ball_point` on the chip beside scipy's `return_length=True`."""
+    t_count, sc = host_best(
+        lambda: ref.query_ball_point(queries, r, workers=-1, return_length=True)
+    )
+    count = jax.jit(lambda t, x: t.count_ball_point(x, r))
+    first, best_c, c = first_and_best(lambda: count(tree, x_dev))
+    print(
+        f"count_ball_point r={r:.4f} (mean {sc.mean():.1f}): first {first:.2f} s, "
+        f"steady {best_c:.4f} s = {best_c / t_count:.2f}x scipy "
+        f"({t_count:.4f} s); equal {np.mean(np.asarray(c) == sc):.6f}"
+    )
 
 
 def part2(tree, ref, pts, queries, r, local_q):
