@@ -15,7 +15,7 @@ import sys
 SCRIPT = pathlib.Path(__file__).parent.parent / "benchmarks" / "gpu.py"
 SMALL = ["--n", "2e4", "--queries", "2e3", "--brute-queries", "1000"]
 SMALL += ["--small-n", "1e4", "--series-n", "32", "--pairs-n", "1e4"]
-SMALL += ["--local-n", "2e4", "--local-queries", "2e3"]
+SMALL += ["--local-n", "1e4", "--local-queries", "512"]
 
 
 def test_gpu_script_runs_and_its_answers_agree():
