@@ -495,23 +495,19 @@ class _Tiles(eqx.Module):
 
     steps: _Steps
     queries: Float[Array, "blocks size d"]
+    leaf_boxes: Float[Array, "leaves e"]
 
     def __init__(self, steps: _Steps, queries):
         self.steps = steps
         self.queries = queries
-
-    def box_d2(self, nodes: Int[Array, "blocks m"]) -> Float[Array, "blocks size m"]:
-        """A lower bound on the powered distance from each query of each block to
-        the points of `nodes` (`inf` for `-1`), inflated by scipy's `eps` where the
-        search is approximate. Each box is gathered once for its block."""
-        lo, hi = (
-            [gather_clamped(a, nodes) for a in axes] for axes in self.steps.box_axes
-        )
-        return self._axes_box_d2(lo, hi, nodes)
+        # Each leaf's box as one row `(lo, hi)`.
+        tree, first = steps.tree, steps.first_leaf
+        boxes = jnp.concatenate([tree.node_lo, tree.node_hi])
+        self.leaf_boxes = boxes[:, first : first + tree.num_leaves].T
 
     def row_box_d2(self, rows, nodes: Int[Array, "blocks m"]):
-        """`box_d2` of `nodes` whose boxes are given as rows `(lo, hi)` of `2 d`,
-        shape `(blocks, m, 2 d)`."""
+        """`leaf_box_d2` of `nodes` whose boxes are given as rows `(lo, hi)` of
+        `2 d`, shape `(blocks, m, 2 d)`."""
         d = self.queries.shape[-1]
         lo = [rows[..., j] for j in range(d)]
         hi = [rows[..., d + j] for j in range(d)]
@@ -530,7 +526,8 @@ class _Tiles(eqx.Module):
         return [self.queries[:, :, j, None] for j in range(self.queries.shape[-1])]
 
     def _axes_box_d2(self, lo: list, hi: list, nodes):
-        """`box_d2` of `nodes` whose boxes are given axis by axis, `(blocks, m)`."""
+        """`leaf_box_d2` of `nodes` whose boxes are given axis by axis, `(blocks,
+        m)`."""
         steps = self.steps
         x = self._query_axes()
         lo, hi = ([a[:, None, :] for a in bounds] for bounds in (lo, hi))
@@ -539,9 +536,15 @@ class _Tiles(eqx.Module):
             d2 = d2 * steps.prune_factor
         return jnp.where(nodes[:, None, :] >= 0, d2, jnp.inf)
 
-    def leaf_box_d2(self, leaves: Int[Array, "blocks m"]):
+    def leaf_box_d2(
+        self, leaves: Int[Array, "blocks m"]
+    ) -> Float[Array, "blocks size m"]:
+        """A lower bound on the powered distance from each query of each block to
+        the points of `leaves` (`inf` for `-1`), inflated by scipy's `eps` where the
+        search is approximate. Each leaf's box is gathered once for its block, as one
+        row (a TPU gathers rows far faster than scalars)."""
         nodes = jnp.where(leaves >= 0, leaves + self.steps.first_leaf, -1)
-        return self.box_d2(nodes)
+        return self.row_box_d2(gather_clamped(self.leaf_boxes, leaves), nodes)
 
     def rows_box_d2(
         self, rows: Int[Array, "blocks r"], leaves: Int[Array, "blocks m"]
