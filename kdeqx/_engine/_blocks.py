@@ -550,22 +550,16 @@ class _Tiles(eqx.Module):
         self, rows: Int[Array, "blocks r"], leaves: Int[Array, "blocks m"]
     ) -> Float[Array, "blocks size m"]:
         """`leaf_box_d2` of `leaves`, the leaves of rows `rows` of a table of
-        `m // r` leaves a row (`-1` where not wanted): the boxes gathered a row at a
-        time, not leaf by leaf (a TPU gathers rows far faster than scalars)."""
-        steps = self.steps
+        `m // r` leaves a row (`-1` where not wanted): the boxes gathered a row of
+        leaves at a time."""
         blocks, m = leaves.shape
         width = m // rows.shape[1]
-        num_leaves = steps.tree.num_leaves
-        padding = -num_leaves % width
-
-        def gathered(a: Float[Array, " nodes"]) -> Float[Array, "blocks m"]:
-            table = a[steps.first_leaf : steps.first_leaf + num_leaves]
-            table = jnp.pad(table, (0, padding)).reshape(-1, width)
-            return gather_clamped(table, rows).reshape(blocks, m)
-
-        lo, hi = ([gathered(a) for a in axes] for axes in steps.box_axes)
-        nodes = jnp.where(leaves >= 0, leaves + steps.first_leaf, -1)
-        return self._axes_box_d2(lo, hi, nodes)
+        padding = -self.leaf_boxes.shape[0] % width
+        table = jnp.pad(self.leaf_boxes, ((0, padding), (0, 0)))
+        table = table.reshape(-1, width * table.shape[1])
+        boxes = gather_clamped(table, rows).reshape(blocks, m, -1)
+        nodes = jnp.where(leaves >= 0, leaves + self.steps.first_leaf, -1)
+        return self.row_box_d2(boxes, nodes)
 
     def measure(self, leaves: Int[Array, "blocks m"]):
         """The powered distances from each block's queries to the points of its
@@ -706,9 +700,7 @@ def _descend(steps: _Steps, tiles: _Tiles, width: int, reach, whole=None):
                 inside = needed & (tiles.row_far_d2(rows) <= whole[:, :, None])
                 needed = needed & ~inside
                 dropped = inside & ~jnp.any(needed, axis=1, keepdims=True)
-                points = _points_in_children(
-                    tree, before, frontier, span, depth - level
-                )
+                points = _points_in_children(before, frontier, span, depth - level)
                 counted = counted + jnp.sum(
                     jnp.where(dropped, points[:, None, :], 0), axis=2, dtype=index_dtype
                 )
@@ -734,7 +726,7 @@ def _points_before_leaves(tree) -> Int[Array, " m"]:
 
 
 def _points_in_children(
-    tree, before, frontier: Int[Array, "blocks f"], span: int, height: int
+    before, frontier: Int[Array, "blocks f"], span: int, height: int
 ) -> Int[Array, "blocks m"]:
     """How many points the `span` descendants of each `frontier` node (`-1`: none)
     hold, `height` levels above the leaves, where each covers `2**height`
