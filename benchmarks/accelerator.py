@@ -542,7 +542,11 @@ def jaxkd_knn(p_dev, x_dev, k, best, sd, si):
     tree = jax.block_until_ready(jaxkd.build_tree(p_dev))
     built = time.perf_counter() - start
     q = x_dev.shape[0]
-    for part in (q, q // 10, q // 100):  # jaxkd may not fit all queries at once
+    for part in (
+        q,
+        max(q // 100, 1),
+        max(q // 10000, 1),
+    ):  # jaxkd may not fit all at once
         try:
             first, jbest, (ji, jd) = first_and_best(
                 lambda: jaxkd.query_neighbors(tree, x_dev[:part], k=k), 1

@@ -188,6 +188,32 @@ def test_move_rows_in_place_writes_the_moved_rows_over_the_others(dtype):
     np.testing.assert_array_equal(ours, expected)
 
 
+@pytest.mark.parametrize("count", [0, 3, 7, 8, 11])
+def test_append_in_order_by_reductions_is_the_scatter(count):
+    """The TPU's way (a reduction per slot) against the scatter, and numpy: the
+    entries inside, in order, from slot `count`, those beyond the last dropped."""
+    rng = np.random.default_rng(count)
+    k, tile = 8, 40
+    kept = (
+        jnp.asarray(rng.random(k), jnp.float32),
+        jnp.asarray(rng.integers(0, 100, k), jnp.int32),
+    )
+    new = (
+        jnp.asarray(rng.random(tile), jnp.float32),
+        jnp.asarray(rng.permutation(tile) - 5, jnp.int32),
+    )
+    for inside in (rng.random(tile) < 0.15, np.zeros(tile, bool), np.ones(tile, bool)):
+        args = (kept, new, jnp.asarray(inside), jnp.asarray(count, jnp.int32))
+        ours = jax.jit(_backend.append_in_order, static_argnums=4)(*args, "tpu")
+        reference = _backend.append_in_order_reference(*args)
+        for a, b, old, values in zip(ours, reference, kept, new, strict=True):
+            np.testing.assert_array_equal(a, b)
+            expected = np.asarray(old).copy()
+            chosen = np.asarray(values)[inside][: max(0, k - count)]
+            expected[count : count + len(chosen)] = chosen
+            np.testing.assert_array_equal(a, expected)
+
+
 def test_gather_clamped_clamps_out_of_range_indices():
     array = jnp.arange(10.0).reshape(5, 2)
     index = jnp.asarray([-3, -1, 0, 2, 4, 5, 99], jnp.int32)

@@ -29,7 +29,7 @@ def test_radius_queries_match_scipy_and_the_walk(dataset):
     counts = tree.count_ball_point(x, r)
     reference = cKDTree(points).query_ball_point(x, r, return_length=True)
     np.testing.assert_array_equal(counts, reference)
-    for capacity in (8, 64):
+    for capacity in (8, 64):  # kept nearest as they come; collected, then again
         got = tree.query_ball_point(x, r, max_neighbors=capacity)
         walked = walk.query_ball_point(x, r, max_neighbors=capacity)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(walked), strict=True):
@@ -37,6 +37,30 @@ def test_radius_queries_match_scipy_and_the_walk(dataset):
                 np.testing.assert_allclose(a, b, rtol=4 * ulp(np.float32))
             else:
                 np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dataset", ["uniform", "duplicates"])
+def test_full_balls_keep_the_nearest_and_count_every_point(dataset):
+    """Balls of hundreds of points and a capacity of 24: collected, then searched
+    again for the nearest (pruned by the last kept once full), counted in full."""
+    rng = np.random.default_rng(12)
+    points = DATASETS[dataset](rng, 3000, 3).astype(np.float32)
+    x = rng.random((120, 3)).astype(np.float32)
+    r, capacity = 0.25, 24
+    tree = kdeqx.KDTree(points, engine="blocks", leaf_size=8)
+    d, i, counts = jax.tree.leaves(tree.query_ball_point(x, r, max_neighbors=capacity))
+    reference = cKDTree(points.astype(np.float64))
+    np.testing.assert_array_equal(
+        counts, reference.query_ball_point(x, r, return_length=True)
+    )
+    assert np.mean(counts > capacity) > 0.9
+    walked = kdeqx.KDTree(points, engine="walk")
+    np.testing.assert_array_equal(
+        i, walked.query_ball_point(x, r, max_neighbors=capacity)[1]
+    )
+    d2 = ((points[None, :, :] - x[:, None, :]) ** 2).sum(-1)
+    nearest = np.lexsort((np.broadcast_to(np.arange(3000), d2.shape), d2), axis=1)
+    np.testing.assert_array_equal(i, nearest[:, :capacity])
 
 
 @pytest.mark.parametrize("kernel", ["idw", "gaussian"])

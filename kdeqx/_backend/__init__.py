@@ -76,6 +76,8 @@ from ._reductions import (
     sum_nonnegative_reference as sum_nonnegative_reference,
 )
 from ._scatters import (
+    append_in_order as append_in_order,
+    append_in_order_reference as append_in_order_reference,
     gather_clamped as gather_clamped,
     gather_clamped_reference as gather_clamped_reference,
     move_rows as move_rows,

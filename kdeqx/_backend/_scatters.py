@@ -4,7 +4,7 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 
-from .._custom_types import Array, Int, UInt
+from .._custom_types import Array, Bool, Int, UInt
 
 
 # Slot numbers: the build counts them unsigned where 32 bits hold them.
@@ -71,3 +71,54 @@ def gather_clamped(array: Array, index: Int[Array, "..."]) -> Array:
 
 def gather_clamped_reference(array: Array, index: Int[Array, "..."]) -> Array:
     return array[jnp.clip(index, 0, array.shape[0] - 1)]
+
+
+def append_in_order(
+    kept: tuple[Array, ...],
+    new: tuple[Array, ...],
+    inside: Bool[Array, " tile"],
+    count: Int[Array, ""],
+    backend: str | None = None,
+) -> tuple[Array, ...]:
+    """The arrays `kept` (each of length `k`) with the entries of `new` where
+    `inside` is set written, in order, from slot `count` on; those beyond slot `k`
+    are dropped, and the other slots keep their entries.
+
+    A TPU scatters element by element, so there each slot picks its one entry by a
+    compare and a reduction over the tile: `k` times the work, at full width (see
+    `benchmarks/accelerator.py`'s `query_ball_point`). Elsewhere, the scatter.
+    `backend` defaults to `jax.default_backend()`.
+    """
+    if (jax.default_backend() if backend is None else backend) != "tpu":
+        return append_in_order_reference(kept, new, inside, count)
+    k = kept[0].shape[0]
+    slots = jnp.arange(k, dtype=count.dtype)
+    hits = _slots_of(inside, count, k)[:, None] == slots
+    written = (slots >= count) & (slots < count + jnp.sum(inside, dtype=count.dtype))
+
+    def picked(old, values):
+        least = (
+            -jnp.inf
+            if jnp.issubdtype(values.dtype, jnp.floating)
+            else jnp.iinfo(values.dtype).min
+        )
+        one = jnp.max(jnp.where(hits, values[:, None], least), axis=0)
+        return jnp.where(written, one, old)
+
+    return tuple(picked(old, values) for old, values in zip(kept, new, strict=True))
+
+
+def append_in_order_reference(kept, new, inside, count, backend=None):
+    del backend
+    slot = _slots_of(inside, count, kept[0].shape[0])
+    return tuple(
+        old.at[slot].set(values, mode="drop")
+        for old, values in zip(kept, new, strict=True)
+    )
+
+
+def _slots_of(inside, count, k: int):
+    """Each entry's slot: `count` plus its rank among those inside; `k` (none) for
+    those not inside."""
+    slot = count + jnp.cumsum(inside, dtype=count.dtype) - 1
+    return jnp.where(inside, slot, k)

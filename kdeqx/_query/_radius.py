@@ -4,11 +4,18 @@ import equinox as eqx
 import jax.lax as lax
 import jax.numpy as jnp
 
-from .._backend import sort_pairs
+from .._backend import append_in_order, sort_pairs
 from .._backend._mesh import split_like_queries, split_over_cpu_devices
 from .._custom_types import Array, Ball, Bool, Float, Int, Queries, Threshold
 from .._engine._base import AbstractSearchTree
-from .._engine._merge import leaves_per_merge, merge_k_best, SMALL_K
+from .._engine._merge import (
+    leaves_per_merge,
+    merge_k_best,
+    merge_sorted_into_best,
+    pairs_of_best,
+    SMALL_K,
+    smallest_pairs,
+)
 from .._engine._metric import Minkowski
 from .._engine._search import found_distances, search
 from .._engine._traverse import AbstractVisitor
@@ -55,6 +62,9 @@ class _BallCollect(AbstractVisitor):
     accept2: Float[Array, ""]
     index_dtype: jnp.dtype = eqx.field(static=True)
     nearest: bool = eqx.field(static=True)
+    # Whether the count is wanted: else, keeping the nearest, the search may prune
+    # beyond the last of them once full, and the count is a lower bound.
+    counting: bool = eqx.field(static=True, default=True)
 
     def init(self):
         return (
@@ -67,7 +77,13 @@ class _BallCollect(AbstractVisitor):
         return box_d2 <= self.r2
 
     def reach(self, state) -> Float[Array, ""]:
+        if self.nearest and not self.counting:
+            # Once full, as the k nearest: nothing beyond the last kept point.
+            return jnp.minimum(self.r2, state[0][-1])
         return self.r2
+
+    def first_points(self) -> int:
+        return 0
 
     def leaves_per_visit(self, leaf_size: int) -> int:
         # The merges cost the same for several leaves; the pruning uses no state.
@@ -81,11 +97,23 @@ class _BallCollect(AbstractVisitor):
         else:
             # The found points go to the next free slots; the rest (and any beyond
             # the `k` slots) are dropped.
-            slot = count + jnp.cumsum(inside, dtype=count.dtype) - 1
-            slot = jnp.where(inside, slot, self.k)
-            kept_d2 = kept_d2.at[slot].set(d2, mode="drop")
-            kept_indices = kept_indices.at[slot].set(indices, mode="drop")
+            kept = (kept_d2, kept_indices)
+            kept_d2, kept_indices = append_in_order(kept, (d2, indices), inside, count)
         return kept_d2, kept_indices, count + jnp.sum(inside, dtype=count.dtype)
+
+    def visit_tile(self, state, d2, indices):
+        # A tile holds hundreds of points: its best by `smallest_pairs`, not a
+        # network over the whole tile; and no scatter on a TPU (`append_in_order`).
+        kept_d2, kept_indices, count = state
+        inside = d2 <= self.accept2
+        found = count + jnp.sum(inside, dtype=count.dtype)
+        if self.nearest:
+            best = merge_sorted_into_best(
+                (kept_d2, kept_indices), *smallest_pairs(d2, indices, self.k)
+            )
+            return (*pairs_of_best(best, d2.dtype, indices.dtype), found)
+        kept = append_in_order((kept_d2, kept_indices), (d2, indices), inside, count)
+        return (*kept, found)
 
 
 @split_over_cpu_devices
@@ -112,16 +140,22 @@ def _nearest_in_ball(
     """The `capacity` nearest points within `r` of each query (sorted), and the
     counts. Small capacities keep the nearest as the walk goes; large ones collect
     the points found in `O(found)` and sort them once, and walk again keeping the
-    nearest only if some query found more than `capacity`."""
+    nearest only if some query found more than `capacity` (pruning beyond the last
+    kept once full, as the k nearest do; the counts are the first walk's)."""
     index_dtype = tree.leaf_indices.dtype
 
-    def collecting(nearest: bool):
+    def collecting(nearest: bool, counting: bool = True):
         return search(
             tree,
             x,
             r,
             lambda r2: _BallCollect(
-                capacity, r2, metric.accepts_within(r2), index_dtype, nearest
+                capacity,
+                r2,
+                metric.accepts_within(r2),
+                index_dtype,
+                nearest,
+                counting,
             ),
             metric,
         )
@@ -132,7 +166,7 @@ def _nearest_in_ball(
     collected = (*sort_pairs(d2, indices), counts)
     states = lax.cond(
         jnp.any(counts > capacity),
-        lambda: collecting(nearest=True)[0],
+        lambda: (*collecting(nearest=True, counting=False)[0][:2], counts),
         lambda: collected,
     )
     return states, far
