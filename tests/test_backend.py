@@ -188,6 +188,27 @@ def test_move_rows_in_place_writes_the_moved_rows_over_the_others(dtype):
     np.testing.assert_array_equal(ours, expected)
 
 
+def test_smallest_first_of_by_a_sort_is_top_k_and_a_gather():
+    """The TPU's way (the payload sorted along) against `lax.top_k` and a gather,
+    ties (and infinities) taken in order."""
+    rng = np.random.default_rng(9)
+    x = rng.integers(0, 6, (30, 64)).astype(np.float32)
+    x[rng.random(x.shape) < 0.2] = np.inf
+    payload = rng.permutation(30 * 64).reshape(30, 64).astype(np.int32)
+    args = (jnp.asarray(x), jnp.asarray(payload), 20)
+    ours = jax.jit(_backend.smallest_first_of, static_argnums=(2, 3))(*args, "tpu")
+    reference = _backend.smallest_first_of_reference(*args)
+    order = np.argsort(x, axis=1, kind="stable")[:, :20]
+    for a, b, expected in zip(
+        ours,
+        reference,
+        (np.take_along_axis(x, order, 1), np.take_along_axis(payload, order, 1)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, expected)
+
+
 @pytest.mark.parametrize("count", [0, 3, 7, 8, 11])
 def test_append_in_order_by_reductions_is_the_scatter(count):
     """The TPU's way (a reduction per slot) against the scatter, and numpy: the

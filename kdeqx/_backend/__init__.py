@@ -91,6 +91,8 @@ from ._sorting import (
     float32_sort_keys as float32_sort_keys,
     radix_order as radix_order,
     smallest_first as smallest_first,
+    smallest_first_of as smallest_first_of,
+    smallest_first_of_reference as smallest_first_of_reference,
     sorts_compile_slowly as sorts_compile_slowly,
     stable_partition as stable_partition,
 )

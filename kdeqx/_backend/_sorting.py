@@ -66,6 +66,30 @@ def smallest_first(
     return -negated, positions
 
 
+def smallest_first_of(
+    x: Float[Array, "*rows m"], payload: Array, k: int, backend: str | None = None
+) -> tuple[Float[Array, "*rows k"], Array]:
+    """`smallest_first`, with the entries of `payload` (shaped as `x`) at the
+    positions of the `k` smallest, in place of the positions.
+
+    On a TPU a narrow `lax.top_k` is a sort anyway: the payload sorted along spares
+    the gather of its entries, which a TPU gathers one at a time (the block
+    engine's descent, `benchmarks/accelerator.py --profile`). A stable sort keeps
+    ties in order, as `lax.top_k` does. `backend` defaults to
+    `jax.default_backend()`.
+    """
+    if not sorts_compile_slowly(backend):
+        return smallest_first_of_reference(x, payload, k)
+    values, taken = lax.sort((x, payload), num_keys=1, is_stable=True)
+    return values[..., :k], taken[..., :k]
+
+
+def smallest_first_of_reference(x, payload, k: int, backend: str | None = None):
+    del backend
+    values, positions = smallest_first(x, k)
+    return values, jnp.take_along_axis(payload, positions, axis=-1)
+
+
 def stable_partition(
     flags: Bool[Array, " q"], index_dtype, backend: str | None = None
 ) -> Int[Array, " q"]:

@@ -15,7 +15,7 @@ gather, so this engine does the same search as a few large array operations:
    (a radius).
 3. A second pass goes down the tree level by level with each block's frontier of at
    most `budget` nodes, keeping every node whose box lies within the block's reach
-   (the farthest of its queries'), nearest first (`kdeqx._backend.smallest_first`).
+   (the farthest of its queries'), nearest first (`kdeqx._backend.smallest_first_of`).
 4. The kept leaves are folded into the queries' states a chunk at a time, nearest
    first, as `(block, chunk points)` tiles of powered distances, until a chunk's
    nearest box lies beyond every reach in its block.
@@ -38,7 +38,7 @@ from .._backend import (
     gather_clamped,
     query_block_shape,
     radix_order,
-    smallest_first,
+    smallest_first_of,
     sorts_compile_slowly,
     stable_partition,
 )
@@ -707,8 +707,7 @@ def _descend(steps: _Steps, tiles: _Tiles, width: int, reach, whole=None):
             d2 = jnp.min(jnp.where(needed, d2, jnp.inf), axis=1)
             overflowed = overflowed | (jnp.sum(d2 < jnp.inf, axis=1) > kept)
         kept = min(kept, children.shape[1])
-        box_d2, taken = smallest_first(d2, kept)
-        frontier = jnp.take_along_axis(children, taken, axis=1)
+        box_d2, frontier = smallest_first_of(d2, children, kept)
         frontier = jnp.where(box_d2 < jnp.inf, frontier, -1)
     pad = width - frontier.shape[1]
     frontier = jnp.pad(frontier, ((0, 0), (0, pad)), constant_values=-1)
