@@ -542,11 +542,9 @@ def jaxkd_knn(p_dev, x_dev, k, best, sd, si):
     tree = jax.block_until_ready(jaxkd.build_tree(p_dev))
     built = time.perf_counter() - start
     q = x_dev.shape[0]
-    for part in (
-        q,
-        max(q // 100, 1),
-        max(q // 10000, 1),
-    ):  # jaxkd may not fit all at once
+    # jaxkd's temporaries grow with the queries (about half a GB each at n = 1e6):
+    # all of them, else few enough to fit in the chip's memory.
+    for part in (q, max(q // 10000, 1)):
         try:
             first, jbest, (ji, jd) = first_and_best(
                 lambda: jaxkd.query_neighbors(tree, x_dev[:part], k=k), 1
