@@ -123,6 +123,9 @@ def machine() -> str:
 
 
 def _commit() -> str:
+    """`KDEQX_COMMIT`, else the checkout's short commit."""
+    if os.environ.get("KDEQX_COMMIT"):
+        return os.environ["KDEQX_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],

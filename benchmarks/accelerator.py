@@ -25,6 +25,10 @@ tree (three radii) against scipy's, `query_pairs` at about 10 pairs a point agai
 scipy's `output_type="ndarray"`, `knn_graph` (k = 16) over every point against
 scipy's `query(k=17)`, and the `rbf` and `mls` fits at k = 32 on `--local-queries`
 queries against scipy's `RBFInterpolator(neighbors=32)`, with their RMSE.
+
+With `KDEQX_RECORD=benchmarks/results.jsonl` (and `KDEQX_COMMIT`, where the chip's
+copy of the repository has no history), the build, kNN, `count_ball_point` and
+`query_ball_point` rows are recorded for `benchmarks/table.py`.
 """
 
 import argparse
@@ -35,6 +39,7 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
+from _timing import record
 from scipy.spatial import cKDTree
 
 import kdeqx
@@ -160,6 +165,9 @@ def main():
             f"kdeqx build: first {b_first:.2f} s, steady {b_best:.4f} s "
             f"({b_best / t_build:.2f}x scipy's build)"
         )
+        task = f"{name}, n={n:.0e}, Q={q:.0e}, blocks engine"
+        host = f"scipy workers=-1, {os.cpu_count()} host cores"
+        record(f"build {task}", b_best, f"{host}, build", t_build)
         knn = jax.jit(lambda t, x: t.query(x, k=k))
         first, best, (d, i) = first_and_best(lambda: knn(tree, x_dev))
         print(
@@ -167,6 +175,7 @@ def main():
             f"{best / t_scipy:.2f}x scipy workers=-1"
         )
         check("kdeqx", d, i, sd, si)
+        record(f"kNN k={k} {task}", best, host, t_scipy)
         if args.compile_report:
             compile_report("build", lambda p: kdeqx.KDTree(p, engine="blocks"), p_dev)
             compile_report("kNN", lambda t, x: t.query(x, k=k), tree, x_dev)
@@ -186,7 +195,7 @@ def main():
         if args.shapes:
             shapes(tree, x_dev, k, t_scipy, sd, si)
         if args.quick:
-            count_ball_point(tree, ref, queries, x_dev, r)
+            count_ball_point(tree, ref, queries, x_dev, r, task, host)
             continue
         if k == 8:
             bq = int(args.brute_queries)
@@ -199,7 +208,7 @@ def main():
             check("brute", bd, bi, sd[:bq], si[:bq])
         if not args.skip_jaxkd:
             jaxkd_knn(p_dev, x_dev, k, best, sd, si)
-        count_ball_point(tree, ref, queries, x_dev, r)
+        count_ball_point(tree, ref, queries, x_dev, r, task, host)
         t_lists, _ = host_best(lambda: ref.query_ball_point(queries, r, workers=-1))
         ball = jax.jit(lambda t, x: t.query_ball_point(x, r, max_neighbors=64))
         first, best_b, _ = first_and_best(lambda: ball(tree, x_dev))
@@ -207,6 +216,7 @@ def main():
             f"query_ball_point cap 64: first {first:.2f} s, steady {best_b:.4f} s "
             f"= {best_b / t_lists:.2f}x scipy lists ({t_lists:.4f} s)"
         )
+        record(f"query_ball_point cap 64 {task}", best_b, f"{host}, lists", t_lists)
         values = jnp.asarray(np.sin(pts[:, 0] * 6))
         model = kdeqx.Interpolator(tree, values, k=8, kernel="idw")
         idw = jax.jit(lambda m, x: m(x))
@@ -216,7 +226,7 @@ def main():
             part2(tree, ref, pts, queries, r, int(args.local_queries))
 
 
-def count_ball_point(tree, ref, queries, x_dev, r):
+def count_ball_point(tree, ref, queries, x_dev, r, task, host):
     """`count_ball_point` on the chip beside scipy's `return_length=True`."""
     t_count, sc = host_best(
         lambda: ref.query_ball_point(queries, r, workers=-1, return_length=True)
@@ -228,6 +238,7 @@ def count_ball_point(tree, ref, queries, x_dev, r):
         f"steady {best_c:.4f} s = {best_c / t_count:.2f}x scipy "
         f"({t_count:.4f} s); equal {np.mean(np.asarray(c) == sc):.6f}"
     )
+    record(f"count_ball_point {task}", best_c, host, t_count)
 
 
 def part2(tree, ref, pts, queries, r, local_q):
