@@ -1,5 +1,6 @@
 """The block engine beyond kNN and radius queries: `count_neighbors`, the local fits,
-`knn_graph` and the pair queries, against scipy and the walk."""
+`knn_graph`, `radius_graph`, `NeighborList` and the pair queries, against scipy,
+brute force and the walk."""
 
 import equinox as eqx
 import jax
@@ -11,6 +12,12 @@ from scipy.spatial import cKDTree
 import kdeqx
 
 from .helpers import DATASETS
+from .test_graph import (
+    CASES,
+    check_graph,
+    points_in_and_around,
+    reference_radius_graph,
+)
 
 
 @pytest.mark.parametrize("dataset", ["uniform", "clustered"])
@@ -107,6 +114,72 @@ def test_knn_graph_on_blocks_equals_the_walk(case):
             _, want = cKDTree(points[rows]).query(points[rows], k + 1)
             got = np.asarray(blocks.receivers).reshape(n, k)[rows]
             assert [set(r) for r in got] == [set(rows[w[1:]]) for w in want]
+
+
+# Several images of a triclinic cell, directed; a slab's half list; a cell
+# smaller than `r` with self loops: each a program of its own.
+@pytest.mark.x64
+@pytest.mark.parametrize(
+    "case, variant",
+    [
+        ("triclinic, r beyond half the cell", "directed"),
+        ("slab", "half"),
+        ("triclinic, r beyond the cell", "self loops"),
+    ],
+)
+def test_radius_graph_on_blocks_is_every_image_within_r(case, variant):
+    config = dict(CASES[case])
+    r, cell, pbc = config["r"], config["cell"], config.get("pbc", (True,) * 3)
+    x = points_in_and_around(0, 40)
+    options = dict(half=variant == "half", self_loops=variant == "self loops")
+    graph = kdeqx.radius_graph(
+        x, r, 20000, cell=cell, pbc=pbc, engine="blocks", **options
+    )
+    reference = reference_radius_graph(x, r, cell, pbc, **options)
+    assert 10 < len(reference) <= 20000
+    check_graph(graph, x, cell, reference, 20000)
+
+
+def test_radius_graph_and_neighbor_list_on_blocks_equal_the_walk():
+    """A cell per system (triclinic and orthorhombic, one not periodic along an
+    axis), as one graph, a capacity that overflows, and a neighbour list followed
+    through steps that rebuild it: the walk's edges, shifts and counts."""
+    rng = np.random.default_rng(15)
+    n = 300
+    ids = np.sort(rng.integers(0, 3, n))
+    cells = np.stack([np.eye(3) * 3, np.eye(3) * 4, np.eye(3) * 3.5])
+    cells[1, 1, 0] = 0.8
+    cells = cells.astype(np.float32)
+    points = np.einsum("ni,nij->nj", rng.random((n, 3)), cells[ids]).astype(np.float32)
+    pbc = np.array([[True] * 3, [True] * 3, [True, True, False]])
+    graphs = [
+        kdeqx.radius_graph(points, 1.0, 20000, cell=cells, batch=ids, pbc=pbc, engine=e)
+        for e in ("walk", "blocks")
+    ]
+    assert 1000 < int(graphs[0].count) <= 20000
+    _same_graph(*graphs)
+    cut = kdeqx.radius_graph(
+        points, 1.0, 500, cell=cells, batch=ids, pbc=pbc, engine="blocks"
+    )
+    assert bool(cut.overflow) and int(cut.count) == int(graphs[0].count)
+    kept = list(zip(np.asarray(cut.senders), np.asarray(cut.receivers)))
+    assert kept == sorted(kept)
+
+    cell = np.full(3, 5.0, np.float32)
+    x = rng.random((n, 3)).astype(np.float32) * 5
+    lists = [
+        kdeqx.NeighborList.allocate(
+            x, 1.0, skin=0.2, cell=cell, max_edges=6000, engine=e
+        )
+        for e in ("walk", "blocks")
+    ]
+    assert [nl.engine for nl in lists] == ["walk", "blocks"]
+    step = eqx.filter_jit(lambda nl, x: nl.update(x))
+    for _ in range(3):
+        x = (x + 0.04 * rng.standard_normal(x.shape)).astype(np.float32)
+        lists = [step(nl, x) for nl in lists]
+    assert int(lists[1].builds) > 1 and not bool(lists[1].overflow)
+    _same_graph(lists[0].edges, lists[1].edges)
 
 
 # Tiny budgets in an open box, the default ones in a periodic box: each of the

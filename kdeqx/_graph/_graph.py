@@ -5,7 +5,8 @@ convention) for message passing and molecular dynamics.
 
 Both graphs search a tree of the points moved into their cells. A radius graph walks
 each leaf of it, and each image of the leaf that the cutoff reaches, as one `Block`
-query (pairs travel as bitmasks, as in `query_pairs`); a kNN graph queries each
+query (pairs travel as bitmasks, as in `query_pairs`), or on the block engine takes
+each image of each point as a query (an edge a record); a kNN graph queries each
 image of each point, the far ones bounded by what the point's own cell found. A batch
 of systems becomes one tree: each system is moved along an extra axis, far enough
 from the others that no edge joins two of them. With a cell per system, each point
@@ -25,8 +26,9 @@ from .._backend import argsort_keys, outside_any_trace, sort_edges, sort_edges_i
 from .._backend._buckets import bucket, first_rows, pad_rows, to_device
 from .._custom_types import Array, ArrayLike, Bool, Float, Int, PyTree
 from .._engine._bits import bitmasks, set_bit_count, WORD
+from .._engine._blocks import emit_blocks
 from .._engine._metric import Block, EUCLIDEAN, norm_without_overflow
-from .._engine._search import rows_at, search_threshold
+from .._engine._search import far_queries, rows_at, search_threshold
 from .._engine._traverse import AbstractEmitter, Sink, walk_many
 from .._query import _knn
 from .._query._pairs import unpacked
@@ -320,6 +322,7 @@ def radius_graph(
     half: bool = False,
     images: int | tuple[int, ...] | None = None,
     leaf_size: int = 32,
+    engine: str = "auto",
 ) -> NeighborGraph:
     """Every pair of points within distance `r` (Euclidean), as a `NeighborGraph`.
 
@@ -356,6 +359,10 @@ def radius_graph(
         when either is traced (under `jit` or `grad`). Too few raises an error
         (eagerly, or `eqx.error_if` under `jit`), never a missing edge.
     - `leaf_size`: the search tree's leaf size (tuning; answers do not depend on it).
+    - `engine`: how the pairs are searched, as `KDTree`'s `engine`: `"auto"`
+        (default: the walk on a CPU, blocks elsewhere), `"walk"` (each leaf, and
+        each image of it, one query of the walk) or `"blocks"` (each point, and each
+        image of it, one query of the block engine). The same graph either way.
 
     **Returns:** a `NeighborGraph` with `max_edges` entries, edges in both
     directions unless `half`.
@@ -366,6 +373,7 @@ def radius_graph(
     r = check_positive(
         "r", check_finite("r", as_float_array("r", r, points.dtype)), points.dtype
     )
+    engine = check_engine(engine)
     cell_, segment, systems = cell_and_segments(cell, pbc, batch, n, d, points.dtype)
     counts = image_counts(cell_, r, images)
     padded, rows, given = points, n, segment
@@ -384,6 +392,7 @@ def radius_graph(
         self_loops,
         half,
         leaf_size,
+        engine,
     )
     if rows == n:
         return graph
@@ -647,14 +656,7 @@ class _LeafEdges(AbstractEmitter):
     def leaf_records(self, d2, indices, leaf):
         size = d2.shape[0]
         sender, receiver = self.senders[:, None], indices[None, :]
-        itself = sender == receiver
-        if self.half:
-            own_image = self.positive_shift | (self.zero_shift & self.self_loops)
-            keep = (sender < receiver) | (itself & own_image)
-        elif self.self_loops:
-            keep = True
-        else:
-            keep = ~(itself & self.zero_shift)
+        keep = _kept(sender, receiver, self.zero_shift, self.positive_shift, self)
         masks = bitmasks((d2 <= self.r2) & keep)
         found = jnp.sum(set_bit_count(masks), axis=1, dtype=jnp.int32)
         slot = jnp.arange(size)
@@ -662,6 +664,39 @@ class _LeafEdges(AbstractEmitter):
         leaves = jnp.broadcast_to(leaf.astype(indices.dtype), rows.shape)
         images = jnp.broadcast_to(self.image, rows.shape)
         return found > 0, (rows, leaves, images, masks), found
+
+
+class _PointEdges(AbstractEmitter):
+    """The edges from one image of one point (a query of the block engine): one
+    record `(sender, receiver, image)` per point within `r2`."""
+
+    r2: Float[Array, ""]
+    sender: Int[Array, ""]
+    image: Int[Array, ""]
+    zero_shift: Bool[Array, ""]
+    positive_shift: Bool[Array, ""]
+    self_loops: bool = eqx.field(static=True)
+    half: bool = eqx.field(static=True)
+
+    def leaf_records(self, d2, indices, leaf):
+        sender = self.sender.astype(indices.dtype)
+        keep = _kept(sender, indices, self.zero_shift, self.positive_shift, self)
+        senders = jnp.broadcast_to(sender, indices.shape)
+        images = jnp.broadcast_to(self.image, indices.shape)
+        return (d2 <= self.r2) & keep, (senders, indices, images), None
+
+
+def _kept(sender, receiver, zero_shift, positive_shift, options) -> Bool[Array, "..."]:
+    """Which pairs of an image make edges: with `half`, each pair once (and a point
+    with its own image where the shift's first nonzero component is positive);
+    without `self_loops`, not a point with itself unshifted."""
+    itself = sender == receiver
+    if options.half:
+        own_image = positive_shift | (zero_shift & options.self_loops)
+        return (sender < receiver) | (itself & own_image)
+    if options.self_loops:
+        return jnp.ones(itself.shape, bool)
+    return ~(itself & zero_shift)
 
 
 @eqx.filter_jit
@@ -676,6 +711,7 @@ def _radius_graph(
     self_loops,
     half,
     leaf_size,
+    engine: str = "walk",
 ) -> NeighborGraph:
     n, d = points.shape
     index_dtype = index_dtype_for(n + 1)
@@ -683,10 +719,16 @@ def _radius_graph(
     if n == 0:
         return _empty_graph(points, capacity, index_dtype, segment, systems)
     tree, placed, filled = _searched(
-        points, r, cell, segment, table, capacity, self_loops, half, leaf_size
+        points, r, cell, segment, table, capacity, self_loops, half, leaf_size, engine
     )
-    edges = _unsorted_edges(tree, filled, capacity, index_dtype)
-    edges = sort_edges(*edges, n + 1, len(table))
+    if tree.engine == "blocks":
+        senders, receivers, images = filled.records
+        senders, receivers = senders.astype(index_dtype), receivers.astype(index_dtype)
+    else:
+        senders, receivers, images = _unsorted_edges(
+            tree, filled, capacity, index_dtype
+        )
+    edges = sort_edges(senders, receivers, images, n + 1, len(table))
     graph = _graph(
         points,
         cell,
@@ -703,7 +745,7 @@ def _radius_graph(
 
 @eqx.filter_jit
 def radius_edge_count(
-    points, r, cell, segment, counts, self_loops, half, leaf_size
+    points, r, cell, segment, counts, self_loops, half, leaf_size, engine="walk"
 ) -> Int[Array, ""]:
     """The number of edges `_radius_graph` finds, without collecting them: a program
     that compiles faster (a neighbour list's first pass, which sizes its
@@ -713,21 +755,78 @@ def radius_edge_count(
         return jnp.zeros((), index_dtype_for(n + 1))
     table = shift_table(counts, d)
     *_, filled = _searched(
-        points, r, cell, segment, table, 1, self_loops, half, leaf_size
+        points, r, cell, segment, table, 1, self_loops, half, leaf_size, engine
     )
     return filled.written
 
 
 def _searched(
-    points, r, cell, segment, table, capacity: int, self_loops, half, leaf_size
+    points, r, cell, segment, table, capacity: int, self_loops, half, leaf_size, engine
 ):
-    """The tree over the placed points and the sink of its walk (`_walked_images`)."""
+    """The tree over the placed points and the sink of its search: the walk's
+    records of leaves (`_walked_images`), or the block engine's of points
+    (`_emitted_images`)."""
     placed = _placed(points, cell, segment, table, lambda *_: 2 * r)
-    tree = lax.stop_gradient(KDTree(placed.points, leaf_size=leaf_size))
+    tree = KDTree(placed.points, leaf_size=leaf_size, engine=engine)
+    tree = lax.stop_gradient(tree)
     system = system_of(cell, segment)
+    if tree.engine == "blocks":
+        filled = _emitted_images(
+            tree, placed, table, system, r, capacity, self_loops, half
+        )
+        return tree, placed, filled
     blocks = _image_blocks(tree, placed, table, system)
     filled = _walked_images(tree, blocks, table, r, capacity, self_loops, half)
     return tree, placed, filled
+
+
+def _emitted_images(
+    tree: KDTree, placed: _Placed, table, system, r, capacity: int, self_loops, half
+) -> Sink:
+    """The sink of `_PointEdges` records from the block engine, one image of every
+    point a step (a loop over the images: one search compiled). A sender image sits
+    at `y - offset`; an image that no point is within `r` of, or that moves along
+    an axis its system is not periodic along, finds nothing."""
+    n = tree.n
+    index_dtype = tree.leaf_indices.dtype
+    r2 = search_threshold(tree, r, EUCLIDEAN)
+    zero = jnp.asarray(~table.any(axis=1))
+    positive = jnp.asarray(first_nonzero_positive(table))
+    senders = jnp.arange(n, dtype=index_dtype)
+    sink = Sink(
+        (
+            jnp.full(capacity, n, index_dtype),
+            jnp.full(capacity, n, index_dtype),
+            jnp.zeros(capacity, jnp.int32),
+        ),
+        jnp.zeros((), index_dtype_for(n + 1)),
+    )
+
+    def one_image(s, sink):
+        shift = jnp.asarray(table)[s][None]
+        lattice = placed.lattice[0] if system is None else placed.lattice[system]
+        x = placed.points - _offsets(shift, lattice)[0]
+        reach = jnp.broadcast_to(r2, (n,))
+        if system is not None:
+            reachable = _reachable(shift, placed.periodic[system])[0]
+            reach = jnp.where(reachable, reach, -1)
+        # As in `query_pairs`: a query beyond `r` of the whole tree finds nothing.
+        far = far_queries(tree, x, EUCLIDEAN)
+        reach = jnp.where(far.beyond(far.distance <= r), -1, reach)
+        visitors = jax.vmap(
+            lambda reach, sender: _PointEdges(
+                reach,
+                sender,
+                s,
+                zero[s],
+                positive[s],
+                self_loops=self_loops,
+                half=half,
+            )
+        )(reach, senders)
+        return emit_blocks(tree, x, visitors, EUCLIDEAN, sink)
+
+    return lax.fori_loop(0, len(table), one_image, sink)
 
 
 def _image_blocks(tree: KDTree, placed: _Placed, table, system) -> Block:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from .._custom_types import Array, ArrayLike, Bool, Float, Int
 from .._engine._search import rows_at
-from .._tree._tree import check_points
+from .._tree._tree import check_engine, check_points
 from .._validate import as_float_array, check_finite, check_positive, check_static_int
 from ._cell import Cell, image_counts
 from ._graph import (
@@ -59,6 +59,7 @@ class NeighborList(eqx.Module):
     half: bool = eqx.field(static=True)
     images: tuple[int, ...] = eqx.field(static=True)
     num_systems: int | None = eqx.field(static=True)
+    engine: str = eqx.field(static=True)
 
     @classmethod
     def allocate(
@@ -74,6 +75,7 @@ class NeighborList(eqx.Module):
         margin: float = 1.25,
         max_edges: int | None = None,
         images: int | tuple[int, ...] | None = None,
+        engine: str = "auto",
     ) -> "NeighborList":
         """Builds the list for `positions` (shape `(n, d)`) with room for `margin`
         times the pairs found (at least one more), or for `max_edges` (static int;
@@ -82,8 +84,9 @@ class NeighborList(eqx.Module):
         **Arguments:** `cutoff > 0` and `skin >= 0` (scalars; the graph holds the
         pairs within `cutoff + skin`); `cell`, `pbc`, `batch`, `half` and `images`
         as in `radius_graph` (the cell, or the cells one per system, are fixed for
-        the list's life; `images` defaults to what `cutoff + skin` needs). Eager:
-        `cutoff`, `skin` and `cell` must be concrete.
+        the list's life; `images` defaults to what `cutoff + skin` needs), and
+        `engine` as in `radius_graph` (for every rebuild). Eager: `cutoff`, `skin`
+        and `cell` must be concrete.
         """
         positions = check_points("positions", positions)
         n, d = positions.shape
@@ -94,6 +97,7 @@ class NeighborList(eqx.Module):
             raise ValueError(f"`skin` must be >= 0, got {float(skin)}.")
         if not margin >= 1:
             raise ValueError(f"`margin` must be >= 1, got {margin}.")
+        engine = check_engine(engine)
         cell_, segment, systems = cell_and_segments(cell, pbc, batch, n, d, dtype)
         counts = image_counts(cell_, cutoff + skin, images)
         return cls._allocated(
@@ -107,6 +111,7 @@ class NeighborList(eqx.Module):
             margin,
             max_edges,
             counts,
+            engine,
         )
 
     @classmethod
@@ -122,17 +127,20 @@ class NeighborList(eqx.Module):
         margin,
         max_edges,
         counts,
+        engine,
     ) -> "NeighborList":
         """`allocate` with checked arguments."""
         n, d = positions.shape
         reach = cutoff + skin
         if max_edges is None:  # a first pass counts the pairs
-            found = _count_in_reach(positions, reach, cell, segment, counts, half)
+            found = _count_in_reach(
+                positions, reach, cell, segment, counts, half, engine
+            )
             capacity = max(1, math.ceil(int(found) * margin) + 1)
         else:
             capacity = check_static_int("max_edges", max_edges, 1)
         graph = _pairs_in_reach(
-            positions, reach, cell, segment, systems, capacity, counts, half
+            positions, reach, cell, segment, systems, capacity, counts, half, engine
         )
         return cls(
             graph,
@@ -146,6 +154,7 @@ class NeighborList(eqx.Module):
             half,
             counts,
             systems,
+            engine,
         )
 
     @property
@@ -214,6 +223,7 @@ class NeighborList(eqx.Module):
             margin,
             None,
             counts,
+            self.engine,
         )
 
     def _displacements(self, positions):
@@ -239,6 +249,7 @@ class NeighborList(eqx.Module):
             self.max_edges,
             self.images,
             self.half,
+            self.engine,
         )
         return eqx.tree_at(
             lambda s: (s.edges, s.reference, s.jumps, s.builds),
@@ -273,14 +284,16 @@ class NeighborList(eqx.Module):
 _LEAF_SIZE = 32  # the trees' default
 
 
-def _count_in_reach(positions, reach, cell, segment, images, half):
+def _count_in_reach(positions, reach, cell, segment, images, half, engine):
     """How many pairs [`_pairs_in_reach`][] finds, without collecting them."""
     return radius_edge_count(
-        positions, reach, cell, segment, images, False, half, _LEAF_SIZE
+        positions, reach, cell, segment, images, False, half, _LEAF_SIZE, engine
     )
 
 
-def _pairs_in_reach(positions, reach, cell, segment, systems, capacity, images, half):
+def _pairs_in_reach(
+    positions, reach, cell, segment, systems, capacity, images, half, engine
+):
     """The radius graph within `reach` that a list holds (no self loops)."""
     return _radius_graph(
         positions,
@@ -293,6 +306,7 @@ def _pairs_in_reach(positions, reach, cell, segment, systems, capacity, images, 
         False,
         half,
         _LEAF_SIZE,
+        engine,
     )
 
 
