@@ -22,7 +22,13 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 
-from .._backend import argsort_keys, outside_any_trace, sort_edges, sort_edges_in_rows
+from .._backend import (
+    argsort_keys,
+    outside_any_trace,
+    sort_edges,
+    sort_edges_in_rows,
+    stable_partition,
+)
 from .._backend._buckets import bucket, first_rows, pad_rows, to_device
 from .._custom_types import Array, ArrayLike, Bool, Float, Int, PyTree
 from .._engine._bits import bitmasks, set_bit_count, WORD
@@ -783,16 +789,23 @@ def _searched(
 def _emitted_images(
     tree: KDTree, placed: _Placed, table, system, r, capacity: int, self_loops, half
 ) -> Sink:
-    """The sink of `_PointEdges` records from the block engine, one image of every
-    point a step (a loop over the images: one search compiled). A sender image sits
-    at `y - offset`; an image that no point is within `r` of, or that moves along
-    an axis its system is not periodic along, finds nothing."""
+    """The sink of `_PointEdges` records from the block engine, each image of each
+    point a query. A sender image sits at `y - offset`; an image that no point is
+    within `r` of, or that moves along an axis its system is not periodic along,
+    finds nothing, so only the others are searched: gathered first, `n` queries a
+    step of a loop (one search compiled; in a periodic cell most images of most
+    points lie beyond `r` of every point, and a step or two take the rest)."""
     n = tree.n
+    images = len(table)
     index_dtype = tree.leaf_indices.dtype
     r2 = search_threshold(tree, r, EUCLIDEAN)
+    x, reach = _image_queries(tree, placed, table, system, r, r2)
+    row_dtype = index_dtype_for(images * n + 1)
+    near = stable_partition(reach >= 0, row_dtype)
+    near = jnp.concatenate([near, jnp.full(n - 1, images * n, row_dtype)])
+    steps = -(-jnp.sum(reach >= 0, dtype=row_dtype) // n)
     zero = jnp.asarray(~table.any(axis=1))
     positive = jnp.asarray(first_nonzero_positive(table))
-    senders = jnp.arange(n, dtype=index_dtype)
     sink = Sink(
         (
             jnp.full(capacity, n, index_dtype),
@@ -802,31 +815,48 @@ def _emitted_images(
         jnp.zeros((), index_dtype_for(n + 1)),
     )
 
-    def one_image(s, sink):
-        shift = jnp.asarray(table)[s][None]
-        lattice = placed.lattice[0] if system is None else placed.lattice[system]
-        x = placed.points - _offsets(shift, lattice)[0]
-        reach = jnp.broadcast_to(r2, (n,))
-        if system is not None:
-            reachable = _reachable(shift, placed.periodic[system])[0]
-            reach = jnp.where(reachable, reach, -1)
-        # As in `query_pairs`: a query beyond `r` of the whole tree finds nothing.
-        far = far_queries(tree, x, EUCLIDEAN)
-        reach = jnp.where(far.beyond(far.distance <= r), -1, reach)
+    def one_step(carry):
+        step, sink = carry
+        rows = lax.dynamic_slice_in_dim(near, step * n, n)
+        image = (rows // n).astype(jnp.int32)
+        sender = (rows % n).astype(index_dtype)
+        # (rows past the last query: the first query's, finding nothing)
+        reaches = jnp.where(rows < images * n, rows_at(reach, rows), -1)
         visitors = jax.vmap(
-            lambda reach, sender: _PointEdges(
+            lambda reach, sender, image: _PointEdges(
                 reach,
                 sender,
-                s,
-                zero[s],
-                positive[s],
+                image,
+                zero[image],
+                positive[image],
                 self_loops=self_loops,
                 half=half,
             )
-        )(reach, senders)
-        return emit_blocks(tree, x, visitors, EUCLIDEAN, sink)
+        )(reaches, sender, jnp.minimum(image, images - 1))
+        sink = emit_blocks(tree, rows_at(x, rows), visitors, EUCLIDEAN, sink)
+        return step + 1, sink
 
-    return lax.fori_loop(0, len(table), one_image, sink)
+    start = jnp.zeros((), row_dtype)
+    _, sink = lax.while_loop(lambda c: c[0] < steps, one_step, (start, sink))
+    return sink
+
+
+def _image_queries(tree: KDTree, placed: _Placed, table, system, r, r2):
+    """Every image of every point, `(images * n, e)`, image by image, and its
+    reach: `r2`, or `-1` where it finds nothing."""
+    if system is None:  # one cell: `(images, 1, e)` offsets
+        offsets = _offsets(table, placed.lattice[0])[:, None]
+    else:  # each point's own system's: `(images, n, e)`
+        offsets = _offsets(table, placed.lattice[system])
+    x = placed.points[None] - offsets
+    reach = jnp.broadcast_to(r2, x.shape[:2])
+    if system is not None:
+        reach = jnp.where(_reachable(table, placed.periodic[system]), reach, -1)
+    x = x.reshape(-1, x.shape[-1])
+    # As in `query_pairs`: a query beyond `r` of the whole tree finds nothing.
+    far = far_queries(tree, x, EUCLIDEAN)
+    reach = jnp.where(far.beyond(far.distance <= r), -1, reach.reshape(-1))
+    return x, reach
 
 
 def _image_blocks(tree: KDTree, placed: _Placed, table, system) -> Block:
