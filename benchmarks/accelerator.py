@@ -24,7 +24,9 @@ also times what part 2 moves onto the blocks: `count_neighbors` of the queries'
 tree (three radii) against scipy's, `query_pairs` at about 10 pairs a point against
 scipy's `output_type="ndarray"`, `knn_graph` (k = 16) over every point against
 scipy's `query(k=17)`, and the `rbf` and `mls` fits at k = 32 on `--local-queries`
-queries against scipy's `RBFInterpolator(neighbors=32)`, with their RMSE.
+queries against scipy's `RBFInterpolator(neighbors=32)`, with their RMSE; and, once,
+`radius_graph` and `NeighborList.update` over a periodic liquid of `--liquid` points
+against scipy's periodic `query_pairs`.
 
 With `KDEQX_RECORD=benchmarks/results.jsonl` (and `KDEQX_COMMIT`, where the chip's
 copy of the repository has no history), the build, kNN, `count_ball_point` and
@@ -138,9 +140,11 @@ def main():
         "--part2",
         action="store_true",
         help="also the queries that part 2 moves onto the blocks: count_neighbors, "
-        "knn_graph, and the local fits (rbf, mls) at k = 32",
+        "query_pairs, knn_graph, the local fits (rbf, mls) at k = 32, and "
+        "radius_graph and NeighborList over a periodic liquid of --liquid points",
     )
     parser.add_argument("--local-queries", type=float, default=1e5)
+    parser.add_argument("--liquid", type=float, default=1e5)
     args = parser.parse_args()
     n, q, k = int(args.n), int(args.queries), args.k
     print(
@@ -224,6 +228,8 @@ def main():
         print(f"IDW k=8 Q={q}: first {first:.2f} s, steady {best_i:.4f} s")
         if args.part2:
             part2(tree, ref, pts, queries, r, int(args.local_queries))
+            if name == "uniform":
+                liquid(int(args.liquid))
 
 
 def count_ball_point(tree, ref, queries, x_dev, r, task, host):
@@ -298,6 +304,39 @@ def part2(tree, ref, pts, queries, r, local_q):
             f"({t_rbf:.3f} s); RMSE {rmse:.2e} (scipy's "
             f"{float(np.sqrt(np.mean((want - truth) ** 2))):.2e})"
         )
+
+
+def liquid(n, density=0.8, r=2.285):
+    """`radius_graph` and `NeighborList.update` on the blocks over a periodic liquid
+    (about 50 neighbours each), beside scipy's periodic `query_pairs`."""
+    rng = np.random.default_rng(1)
+    side = (n / density) ** (1 / 3)
+    x = (rng.random((n, 3)) * side).astype(np.float32)
+    periodic = cKDTree(x.astype(np.float64), boxsize=side)
+    t_pairs, pairs = host_best(
+        lambda: periodic.query_pairs(r, output_type="ndarray"), repeats=1
+    )
+    cell = np.full(3, side, np.float32)
+    capacity = int(2.1 * len(pairs)) + 1024
+    x_dev = jnp.asarray(x)
+    graph = jax.jit(
+        lambda x: kdeqx.radius_graph(x, r, capacity, cell=cell, engine="blocks")
+    )
+    first, best, found = first_and_best(lambda: graph(x_dev), 1)
+    print(
+        f"radius_graph, periodic liquid n={n}, r={r}: first {first:.2f} s, steady "
+        f"{best:.4f} s = {best / t_pairs:.2f}x scipy's periodic query_pairs "
+        f"({t_pairs:.4f} s); {int(found.count)} edges, scipy {2 * len(pairs)}"
+    )
+    start = time.perf_counter()
+    nl = kdeqx.NeighborList.allocate(x, r, skin=0.3, cell=cell, engine="blocks")
+    allocated = time.perf_counter() - start
+    update = jax.jit(lambda nl, x: nl.update(x))
+    first, best, _ = first_and_best(lambda: update(nl, x_dev))
+    print(
+        f"NeighborList on blocks: allocate {allocated:.2f} s; update without a "
+        f"rebuild: first {first:.2f} s, steady {best:.4f} s"
+    )
 
 
 def compile_report(name, fn, *args):
