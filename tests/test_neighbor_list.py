@@ -92,11 +92,14 @@ def test_overflow_is_reported_and_reallocate_makes_room():
     assert bigger.max_edges >= int(neighbours.edges.count)
 
 
-def test_vmap_over_systems_with_a_shared_capacity():
+@pytest.mark.parametrize("engine", ["walk", "blocks"])
+def test_vmap_over_systems_with_a_shared_capacity(engine):
     rng = np.random.default_rng(2)
     ys = rng.uniform(0, 4, (3, 40, 3)).astype(np.float32)
     lists = [
-        kdeqx.NeighborList.allocate(y, 1.3, skin=0.3, cell=CELL, max_edges=1500)
+        kdeqx.NeighborList.allocate(
+            y, 1.3, skin=0.3, cell=CELL, max_edges=1500, engine=engine
+        )
         for y in ys
     ]
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *lists)
