@@ -82,9 +82,6 @@ class _BallCollect(AbstractVisitor):
             return jnp.minimum(self.r2, state[0][-1])
         return self.r2
 
-    def first_points(self) -> int:
-        return 0
-
     def leaves_per_visit(self, leaf_size: int) -> int:
         # The merges cost the same for several leaves; the pruning uses no state.
         return leaves_per_merge(self.k, leaf_size) if self.nearest else 1
