@@ -99,18 +99,16 @@ class _BallCollect(AbstractVisitor):
         return kept_d2, kept_indices, count + jnp.sum(inside, dtype=count.dtype)
 
     def visit_tile(self, state, d2, indices):
+        if not self.nearest:
+            return self.visit_leaf(state, d2, indices)
         # A tile holds hundreds of points: its best by `smallest_pairs`, not a
-        # network over the whole tile; and no scatter on a TPU (`append_in_order`).
+        # network over the whole tile.
         kept_d2, kept_indices, count = state
-        inside = d2 <= self.accept2
-        found = count + jnp.sum(inside, dtype=count.dtype)
-        if self.nearest:
-            best = merge_sorted_into_best(
-                (kept_d2, kept_indices), *smallest_pairs(d2, indices, self.k)
-            )
-            return (*pairs_of_best(best, d2.dtype, indices.dtype), found)
-        kept = append_in_order((kept_d2, kept_indices), (d2, indices), inside, count)
-        return (*kept, found)
+        best = merge_sorted_into_best(
+            (kept_d2, kept_indices), *smallest_pairs(d2, indices, self.k)
+        )
+        found = count + jnp.sum(d2 <= self.accept2, dtype=count.dtype)
+        return (*pairs_of_best(best, d2.dtype, indices.dtype), found)
 
 
 @split_over_cpu_devices
