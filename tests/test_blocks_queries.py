@@ -163,3 +163,37 @@ def test_query_order_is_a_stable_sort_of_the_codes_top_bits():
         np.testing.assert_array_equal(order, np.argsort(keys, kind="stable"))
         waiting = jax.jit(lambda f: stable_partition(f, jnp.int32, backend))(flags)
         np.testing.assert_array_equal(waiting, np.argsort(~flags, kind="stable"))
+
+
+def test_queries_searched_a_group_of_blocks_at_a_time_stay_exact(monkeypatch, request):
+    """Beyond `QUERIES_AT_ONCE` queries, blocks are searched a group at a time (the
+    last group padded): kNN, counts with a radius per query, ball lists and a
+    graph's edges equal the walk's and scipy's."""
+    monkeypatch.setattr(_blocks, "QUERIES_AT_ONCE", 40)
+    jax.clear_caches()  # the constant is read when a query is traced
+    request.addfinalizer(jax.clear_caches)
+    rng = np.random.default_rng(21)
+    points = rng.random((700, 3)).astype(np.float32)
+    x = rng.random((333, 3)).astype(np.float32)
+    r = (0.05 + 0.1 * rng.random(333)).astype(np.float32)
+    tree = kdeqx.KDTree(points, leaf_size=8, engine="blocks")
+    walk = kdeqx.KDTree(points, leaf_size=8, engine="walk")
+    ref = cKDTree(points)
+    d, i = tree.query(x, k=5)
+    want_d, want_i = ref.query(x, k=5)
+    np.testing.assert_array_equal(i, want_i)
+    np.testing.assert_allclose(d, want_d, rtol=1e-6)
+    counts = tree.count_ball_point(x, r)
+    np.testing.assert_array_equal(
+        counts, ref.query_ball_point(x, r, return_length=True)
+    )
+    np.testing.assert_array_equal(
+        tree.query_ball_point(x, r, max_neighbors=8)[0],
+        walk.query_ball_point(x, r, max_neighbors=8)[0],
+    )
+    graphs = [
+        kdeqx.radius_graph(points, 0.1, 20000, engine=e) for e in ("walk", "blocks")
+    ]
+    assert int(graphs[0].count) == 2 * len(ref.query_pairs(0.1))
+    np.testing.assert_array_equal(graphs[0].senders, graphs[1].senders)
+    np.testing.assert_array_equal(graphs[0].receivers, graphs[1].receivers)

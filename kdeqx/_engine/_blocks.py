@@ -27,6 +27,7 @@ wrong). The number of sequential steps depends on the tree's depth and on the ch
 a block needs, not on the number of queries.
 """
 
+import functools as ft
 import typing
 
 import equinox as eqx
@@ -110,40 +111,72 @@ def _walk_blocks(tree, x, visitors, metric, visitor_axis, count, sink=None):
     flat = blocks * size
     real = (jnp.arange(flat) < q).reshape(blocks, size)
 
-    first_points = visitors.first_points()
-    if first_points > 0:
-        leaves = max(shape.nearest_leaves, -(-first_points // tree.leaf_size))
-        first = _first_states(steps, _Tiles(steps, xb), vb, visitor_axis, init, leaves)
-        own_reach = reach(vb, first)
+    def search(xb, vb, init, real, sink):
+        """`(states, overflowed, sink)` of the blocks `xb`."""
+        flat = xb.shape[0] * size
+        first_points = visitors.first_points()
+        if first_points > 0:
+            leaves = max(shape.nearest_leaves, -(-first_points // tree.leaf_size))
+            tiles = _Tiles(steps, xb)
+            first = _first_states(steps, tiles, vb, visitor_axis, init, leaves)
+            own_reach = reach(vb, first)
+        else:
+            own_reach = reach(vb, init)
+        states, overflowed, sink = _stage(
+            steps,
+            xb,
+            vb,
+            visitor_axis,
+            init,
+            own_reach,
+            shape.budget,
+            shape.chunk,
+            exhaustive=False,
+            sink=sink,
+            real=real,
+        )
+        # The queries of blocks that overflowed again, each a block of its own,
+        # within its own reach: a curve's jump can make a block wide.
+        states, sink = _alone(
+            steps,
+            xb.reshape(flat, 1, -1),
+            _flat(vb, visitor_axis),
+            visitor_axis,
+            _flat(init, 0),
+            own_reach.reshape(flat, 1),
+            _flat(states, 0),
+            jnp.repeat(overflowed, size) & real.reshape(flat),
+            shape,
+            sink,
+        )
+        return states, overflowed, sink
+
+    at_once = max(1, QUERIES_AT_ONCE // size)
+    if blocks <= at_once:
+        states, overflowed, sink = search(xb, vb, init, real, sink)
     else:
-        own_reach = reach(vb, init)
-    states, overflowed, sink = _stage(
-        steps,
-        xb,
-        vb,
-        visitor_axis,
-        init,
-        own_reach,
-        shape.budget,
-        shape.chunk,
-        exhaustive=False,
-        sink=sink,
-        real=real,
-    )
-    # The queries of blocks that overflowed again, each a block of its own, within
-    # its own reach: a curve's jump can make a block wide.
-    states, sink = _alone(
-        steps,
-        xb.reshape(flat, 1, -1),
-        _flat(vb, visitor_axis),
-        visitor_axis,
-        _flat(init, 0),
-        own_reach.reshape(flat, 1),
-        _flat(states, 0),
-        jnp.repeat(overflowed, size) & real.reshape(flat),
-        shape,
-        sink,
-    )
+        # A group of blocks at a time, so that the temporaries stay bounded.
+        groups = -(-blocks // at_once)
+        per = -(-blocks // groups)
+        grouped = ft.partial(_in_groups, groups=groups, per=per)
+        per_query = None if visitor_axis is None else grouped(vb)
+
+        def one_group(sink, group):
+            xg, vg, ig, rg = group
+            states, overflowed, sink = search(
+                xg, vb if vg is None else vg, ig, rg, sink
+            )
+            return sink, (states, overflowed)
+
+        # The padding blocks repeat the last one: they must not emit its records.
+        padded = jnp.zeros((groups * per - blocks, size), bool)
+        real = jnp.concatenate([real, padded]).reshape(groups, per, size)
+        sink, (states, overflowed) = lax.scan(
+            one_group, sink, (grouped(xb), per_query, grouped(init), real)
+        )
+        # Each group's states are one per query (`_alone`'s), `(per * size, 1, ...)`.
+        states = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:])[:flat], states)
+        overflowed = overflowed.reshape(-1)[:blocks]
 
     def in_input_order(s):
         s = s.reshape(flat, *s.shape[2:])[:q]
@@ -151,6 +184,23 @@ def _walk_blocks(tree, x, visitors, metric, visitor_axis, count, sink=None):
 
     flag = jnp.sum(overflowed) if count else jnp.any(overflowed)
     return jax.tree.map(in_input_order, states), sink, flag
+
+
+# The block engine searches at most this many queries at once (a group of blocks
+# at a time beyond it), which bounds its temporaries: see `benchmarks/large.py`,
+# the seed's size on an accelerator.
+QUERIES_AT_ONCE = 1 << 17
+
+
+def _in_groups(tree: PyTree, groups: int, per: int) -> PyTree:
+    """Arrays of blocks `(blocks, ...)` as `(groups, per, ...)`, the last group
+    padded with copies of the last block."""
+
+    def split(a):
+        pad = jnp.repeat(a[-1:], groups * per - a.shape[0], axis=0)
+        return jnp.concatenate([a, pad]).reshape(groups, per, *a.shape[1:])
+
+    return jax.tree.map(split, tree)
 
 
 def curve_order(
