@@ -10,6 +10,8 @@ import pytest
 from scipy.spatial import cKDTree
 
 import kdeqx
+from kdeqx._engine import _traverse
+from kdeqx._engine._traverse import ROW_SLOTS, Sink
 
 from .helpers import DATASETS
 from .test_graph import (
@@ -254,3 +256,67 @@ def test_pairs_of_one_tree_on_blocks_equal_scipy(
     # The same entries; distances to the rounding of two programs' fusions.
     np.testing.assert_array_equal(matrix.todense() > 0, walked.todense() > 0)
     np.testing.assert_allclose(matrix.todense(), walked.todense(), rtol=4e-7)
+
+
+@pytest.mark.parametrize("capacity", [5000, 300])
+def test_records_picked_by_rows_are_the_scattered_records(capacity):
+    """The TPU's way of appending a tile's records (each row's picked into slots by
+    reductions, rounds of slots; run here on the CPU) stores and counts what the
+    scatter does: the same records while there is room, the same counts beyond."""
+    rng = np.random.default_rng(5)
+    # Rows of 64 flags holding none to all: up to four rounds of slots.
+    emits = rng.random((3, 5, 64)) < rng.random((3, 5, 1)) * 0.65
+    emits[0, 0] = True
+    emits = jnp.asarray(emits)
+    ids = np.arange(emits.size, dtype=np.int32).reshape(emits.shape)
+    records = (ids, np.stack([ids, -ids], -1), (ids * 0.5).astype(np.float32))
+    records = jax.tree.map(jnp.asarray, records)
+    # Items a record stands for (none where no record is emitted, as visitors give).
+    weights = jnp.where(emits, jnp.asarray(rng.integers(1, 4, emits.shape)), 0)
+    empty = (
+        jnp.full(capacity, -1, jnp.int32),
+        jnp.full((capacity, 2), -1, jnp.int32),
+        jnp.full(capacity, -1.0, jnp.float32),
+    )
+    start = Sink(empty, jnp.asarray(7, jnp.int32), jnp.asarray(3, jnp.int32))
+    scattered = start.appended(emits, records, weights)
+    picked = start.appended_by_rows(emits, records, weights, backend="tpu")
+    assert emits.sum(-1).max() > 3 * ROW_SLOTS
+    emitted = int(emits.sum())
+    assert int(picked.written) == int(scattered.written) == 7 + weights[emits].sum()
+    assert int(picked.stored) == int(scattered.stored) == min(3 + emitted, capacity)
+    got, want = (np.asarray(s.records[0]) for s in (picked, scattered))
+    np.testing.assert_array_equal(got[:3], -1)  # what was stored stays
+    ids = np.asarray(ids)[np.asarray(emits)]
+    if capacity > emitted + 3:  # every record stored, and nothing else
+        np.testing.assert_array_equal(np.sort(got), np.sort(want))
+        assert set(got[3 : int(picked.stored)]) == set(ids)
+    else:  # full: records that were emitted, each once
+        kept = got[3:]
+        assert len(set(kept)) == len(kept) and set(kept) <= set(ids)
+    stored = slice(3, int(picked.stored))
+    np.testing.assert_array_equal(picked.records[1][stored, 0], got[stored])
+    np.testing.assert_array_equal(picked.records[1][stored, 1], -got[stored])
+    np.testing.assert_array_equal(picked.records[2][stored], got[stored] * 0.5)
+
+
+def test_graphs_and_pairs_by_the_tpus_appends_equal_the_walk(monkeypatch, request):
+    """The block engine's graphs and pairs with records appended the TPU's way (on
+    the CPU): the walk's edges and scipy's pairs."""
+    monkeypatch.setattr(_traverse, "scatters_element_by_element", lambda b=None: True)
+    jax.clear_caches()  # read when a query is traced
+    request.addfinalizer(jax.clear_caches)
+    rng = np.random.default_rng(16)
+    cell = np.full(3, 4.0, np.float32)
+    x = (rng.random((400, 3)) * 4).astype(np.float32)
+    graphs = [
+        kdeqx.radius_graph(x, 0.9, 30000, cell=cell, engine=e)
+        for e in ("walk", "blocks")
+    ]
+    assert int(graphs[0].count) > 5000
+    _same_graph(*graphs)
+    tree = kdeqx.KDTree(x, engine="blocks")
+    pairs, _, count = tree.query_pairs(0.5, max_pairs=5000)
+    want = cKDTree(x).query_pairs(0.5, output_type="ndarray")
+    assert int(count) == len(want)
+    np.testing.assert_array_equal(pairs[: int(count)], want[np.lexsort(want.T[::-1])])

@@ -73,6 +73,13 @@ def gather_clamped_reference(array: Array, index: Int[Array, "..."]) -> Array:
     return array[jnp.clip(index, 0, array.shape[0] - 1)]
 
 
+def scatters_element_by_element(backend: str | None = None) -> bool:
+    """Whether a scatter costs about as much for each of its updates, written or
+    dropped, as a kernel's step: on a TPU (see `benchmarks/accelerator.py`).
+    `backend` defaults to `jax.default_backend()`."""
+    return (jax.default_backend() if backend is None else backend) == "tpu"
+
+
 def append_in_order(
     kept: tuple[Array, ...],
     new: tuple[Array, ...],
@@ -89,7 +96,7 @@ def append_in_order(
     `benchmarks/accelerator.py`'s `query_ball_point`). Elsewhere, the scatter.
     `backend` defaults to `jax.default_backend()`.
     """
-    if (jax.default_backend() if backend is None else backend) != "tpu":
+    if not scatters_element_by_element(backend):
         return append_in_order_reference(kept, new, inside, count)
     k = kept[0].shape[0]
     slots = jnp.arange(k, dtype=count.dtype)

@@ -657,7 +657,7 @@ class _Tiles(eqx.Module):
         )
         assert emitting is not None
         emits = emits & emitting[..., None]
-        return states, sink.appended(emits, found, weights)
+        return states, sink.appended_by_rows(emits, found, weights)
 
 
 def _first_states(steps: _Steps, tiles: _Tiles, visitors, visitor_axis, init, m):

@@ -28,7 +28,13 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 
-from .._backend import argsort_keys, gather_clamped, lane_count, step_cap
+from .._backend import (
+    argsort_keys,
+    gather_clamped,
+    lane_count,
+    scatters_element_by_element,
+    step_cap,
+)
 from .._custom_types import Array, Bool, Float, Int, PyTree, UInt
 from .._floats import binary_exponent, power_of_two
 from ._base import AbstractSearchTree
@@ -182,6 +188,50 @@ class Sink(eqx.Module):
         """The sink with the records where `emits` is set appended (the records'
         leading axes are those of `emits`), standing for `weights` items each (one
         by default)."""
+        return self._stored(emits, records)._counted(emits, weights)
+
+    def appended_by_rows(
+        self,
+        emits: Bool[Array, "*rows size"],
+        records: PyTree,
+        weights=None,
+        backend: str | None = None,
+    ) -> "Sink":
+        """As [`Sink.appended`][], for rows of many flags and few records (a tile's
+        distances from a query, most beyond its reach).
+
+        A TPU scatters element by element, each flag's entry costing as much as a
+        record, so there each row's records are first picked into `ROW_SLOTS`
+        slots by compares and reductions, as many slots a round as it takes (see
+        `benchmarks/accelerator.py`, `radius_graph` over a periodic liquid).
+        Elsewhere [`Sink.appended`][]. `backend` defaults to
+        `jax.default_backend()`.
+        """
+        size = emits.shape[-1]
+        if not scatters_element_by_element(backend) or size <= ROW_SLOTS:
+            return self.appended(emits, records, weights)
+        flags = emits.reshape(-1, size)
+        values = jax.tree.map(
+            lambda a: a.reshape(*flags.shape, *a.shape[emits.ndim :]), records
+        )
+        rank = jnp.cumsum(flags, axis=1, dtype=jnp.int32) - 1
+        in_row = jnp.sum(flags, axis=1, dtype=jnp.int32)
+        slots = np.arange(ROW_SLOTS, dtype=np.int32)
+
+        def one_round(carry):
+            r, sink = carry
+            wanted = r * ROW_SLOTS + slots
+            hits = flags[:, :, None] & (rank[:, :, None] == wanted)
+            picked = jax.tree.map(lambda a: _picked(hits, a), values)
+            return r + 1, sink._stored(wanted < in_row[:, None], picked)
+
+        rounds = -(-jnp.max(in_row) // ROW_SLOTS)
+        start = (jnp.zeros((), jnp.int32), self)
+        _, sink = lax.while_loop(lambda c: c[0] < rounds, one_round, start)
+        return sink._counted(emits, weights)
+
+    def _stored(self, emits, records) -> "Sink":
+        """The records where `emits` is set stored, while there is room."""
         count = self.stored.dtype
         rank = _ranks(emits).astype(count).reshape(-1)
         emits = emits.reshape(-1)
@@ -193,13 +243,38 @@ class Sink(eqx.Module):
             return buffer.at[slot].set(new, mode="drop")
 
         emitted = jnp.sum(emits, dtype=count)
-        items = emitted if weights is None else jnp.sum(weights, dtype=count)
-        most = jnp.iinfo(count).max
         return Sink(
             jax.tree.map(append, self.records, records),
-            self.written + jnp.minimum(items, most - self.written),
+            self.written,
             self.stored + jnp.minimum(emitted, room),
         )
+
+    def _counted(self, emits, weights) -> "Sink":
+        """`written` with the items of the records where `emits` is set added."""
+        count = self.stored.dtype
+        emitted = jnp.sum(emits, dtype=count)
+        items = emitted if weights is None else jnp.sum(weights, dtype=count)
+        most = jnp.iinfo(count).max
+        written = self.written + jnp.minimum(items, most - self.written)
+        return Sink(self.records, written, self.stored)
+
+
+# Rows of a tile pick their records into this many slots a round (on a TPU).
+ROW_SLOTS = 16
+
+
+def _picked(hits: Bool[Array, "rows size slots"], values: Array) -> Array:
+    """For each row and slot, the entry of `values` (`(rows, size, ...)`) where
+    `hits` is set (at most one), as `(rows, slots, ...)`."""
+    hits = hits[(..., *(None,) * (values.ndim - 2))]
+    if values.dtype == jnp.bool_:
+        return jnp.any(hits & values[:, :, None], axis=1)
+    least = (
+        -jnp.inf
+        if jnp.issubdtype(values.dtype, jnp.floating)
+        else jnp.iinfo(values.dtype).min
+    )
+    return jnp.max(jnp.where(hits, values[:, :, None], least), axis=1)
 
 
 def _ranks(emits: Bool[Array, "*groups size"]) -> Int[Array, "*groups size"]:
