@@ -261,6 +261,11 @@ def part2(tree, ref, pts, queries, r, local_q):
         f"{best / t_pairs:.2f}x scipy ({t_pairs:.4f} s); got {np.asarray(got)}, "
         f"scipy {want}"
     )
+    n = len(pts)
+    host = f"scipy, {os.cpu_count()} host cores"
+    record(
+        f"count_neighbors 3 radii, n={n:.0e}, Q={len(queries):.0e}", best, host, t_pairs
+    )
     # About 10 pairs a point: n (4/3) pi r^3 / 2 = 10.
     r_pairs = float((15 / (np.pi * len(pts))) ** (1 / 3))
     t_list, expected = host_best(
@@ -276,6 +281,7 @@ def part2(tree, ref, pts, queries, r, local_q):
         f"{first:.2f} s, steady {best:.4f} s = {best / t_list:.2f}x scipy's ndarray "
         f"({t_list:.4f} s); equal {np.array_equal(found, expected[order])}"
     )
+    record(f"query_pairs 10 a point, n={n:.0e}", best, f"{host}, ndarray", t_list)
     p_dev = jnp.asarray(pts)
     t_graph, _ = host_best(lambda: ref.query(pts, k=17, workers=-1), repeats=1)
     graph = jax.jit(lambda p: kdeqx.knn_graph(p, 16, engine="blocks"))
@@ -284,6 +290,8 @@ def part2(tree, ref, pts, queries, r, local_q):
         f"knn_graph k=16 over every point: first {first:.2f} s, steady {best:.4f} s "
         f"= {best / t_graph:.2f}x scipy's query(k=17) ({t_graph:.4f} s)"
     )
+    workers = f"scipy workers=-1, {os.cpu_count()} host cores, query(k=17)"
+    record(f"knn_graph k=16, n={n:.0e}", best, workers, t_graph)
     from scipy.interpolate import RBFInterpolator
 
     values = np.sin(6 * pts[:, 0]) * np.cos(4 * pts[:, 1])
@@ -304,6 +312,8 @@ def part2(tree, ref, pts, queries, r, local_q):
             f"({t_rbf:.3f} s); RMSE {rmse:.2e} (scipy's "
             f"{float(np.sqrt(np.mean((want - truth) ** 2))):.2e})"
         )
+        peer = f"scipy RBFInterpolator(neighbors=32), {os.cpu_count()} host cores"
+        record(f"{kernel} k=32, n={n:.0e}, Q={len(x):.0e}", best, peer, t_rbf)
 
 
 def liquid(n, density=0.8, r=2.285):
@@ -327,6 +337,10 @@ def liquid(n, density=0.8, r=2.285):
         f"radius_graph, periodic liquid n={n}, r={r}: first {first:.2f} s, steady "
         f"{best:.4f} s = {best / t_pairs:.2f}x scipy's periodic query_pairs "
         f"({t_pairs:.4f} s); {int(found.count)} edges, scipy {2 * len(pairs)}"
+    )
+    peer = f"scipy periodic query_pairs, {os.cpu_count()} host cores"
+    record(
+        f"radius_graph periodic liquid, n={n:.0e}, blocks engine", best, peer, t_pairs
     )
     start = time.perf_counter()
     nl = kdeqx.NeighborList.allocate(x, r, skin=0.3, cell=cell, engine="blocks")

@@ -17,6 +17,7 @@ import time
 import equinox as eqx
 import jax
 import numpy as np
+from _timing import record
 from scipy.spatial import cKDTree
 
 import kdeqx
@@ -101,6 +102,11 @@ def main():
         f"ratios kdeqx/scipy: build {build_time / scipy_build:.2f}x, "
         f"query {query_time / scipy_query:.2f}x, IDW {idw_time / scipy_idw:.2f}x"
     )
+    task = f"n={n:.1e}, Q={q:.0e}, {jax.default_backend()}"
+    host = f"scipy workers={args.workers}"
+    record(f"build, seed's size, {task}", build_time, host, scipy_build)
+    record(f"kNN k={k}, seed's size, {task}", query_time, host, scipy_query)
+    record(f"IDW k={k}, seed's size, {task}", idw_time, host, scipy_idw)
     print(f"distances match scipy: {np.allclose(distances, ref_d, rtol=1e-5)}")
     print(f"IDW max |difference|: {np.abs(np.asarray(field) - ref_field).max():.2e}")
 
