@@ -83,9 +83,9 @@ def emit_blocks(
     (one per query) whose records do not depend on the leaf they come from: the
     same records appended, in another order. A block emits only once its search is
     complete, so no record is appended twice."""
-    _, sink, _ = _walk_blocks(tree, x, visitors, metric, 0, False, sink)
-    assert sink is not None
-    return sink
+    _, emitted, _ = _walk_blocks(tree, x, visitors, metric, 0, False, sink)
+    assert emitted is not None
+    return emitted
 
 
 def _walk_blocks(tree, x, visitors, metric, visitor_axis, count, sink=None):
