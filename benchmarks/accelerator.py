@@ -5,7 +5,7 @@ same chip and scipy's `cKDTree` (`workers=-1`) on the same machine's host cores.
         [--brute-queries 1e4] [--shapes] [--compile-report] [--compile-parts]
         [--compile-kernels] [--profile]
         [--skip-jaxkd] [--walk]
-        [--part2] [--local-queries 1e5]
+        [--part2] [--local-queries 1e5] [--liquid 1e5] [--series-n 256 1024]
 
 For n uniform 3-D float32 points and then 64 tight blobs (sigma 0.01; the queries
 uniform in both): the build; kNN (first call: trace, compile and run; then the best
@@ -26,7 +26,9 @@ scipy's `output_type="ndarray"`, `knn_graph` (k = 16) over every point against
 scipy's `query(k=17)`, and the `rbf` and `mls` fits at k = 32 on `--local-queries`
 queries against scipy's `RBFInterpolator(neighbors=32)`, with their RMSE; and, once,
 `radius_graph` and `NeighborList.update` over a periodic liquid of `--liquid` points
-against scipy's periodic `query_pairs`.
+against scipy's periodic `query_pairs`; and `OperatorSeries` in complex64 (a driven
+H0 + cos(t) H1, K = 40) at each of `--series-n` against 40 commutators with H0 at the
+same precision.
 
 With `KDEQX_RECORD=benchmarks/results.jsonl` (and `KDEQX_COMMIT`, where the chip's
 copy of the repository has no history), the build, kNN, `count_ball_point` and
@@ -145,6 +147,7 @@ def main():
     )
     parser.add_argument("--local-queries", type=float, default=1e5)
     parser.add_argument("--liquid", type=float, default=1e5)
+    parser.add_argument("--series-n", type=int, nargs="+", default=[256, 1024])
     args = parser.parse_args()
     n, q, k = int(args.n), int(args.queries), args.k
     print(
@@ -230,6 +233,7 @@ def main():
             part2(tree, ref, pts, queries, r, int(args.local_queries))
             if name == "uniform":
                 liquid(int(args.liquid))
+                operator_series(args.series_n)
 
 
 def count_ball_point(tree, ref, queries, x_dev, r, task, host):
@@ -351,6 +355,53 @@ def liquid(n, density=0.8, r=2.285):
         f"NeighborList on blocks: allocate {allocated:.2f} s; update without a "
         f"rebuild: first {first:.2f} s, steady {best:.4f} s"
     )
+
+
+def operator_series(sizes, order=40):
+    """`OperatorSeries` in complex64 on the chip: first call and steady time against
+    `order` commutators with the constant part of the generator, at the precision
+    the series multiplies with (`HIGHEST`) and at the chip's default."""
+    import equinox as eqx
+
+    from kdeqx._backend import FULL_PRECISION
+
+    def commutators(h, x, precision):
+        def step(x, _):
+            hx = jnp.matmul(h, x, precision=precision)
+            xh = jnp.matmul(x, h, precision=precision)
+            return 1j * (hx - xh), None
+
+        return lax.scan(step, x, None, length=order)[0]
+
+    def hermitian(key, n):
+        a, b = jax.random.normal(key, (2, n, n), jnp.float32)
+        m = (a + 1j * b) / np.sqrt(2 * n)
+        return ((m + m.conj().T) / 2).astype(jnp.complex64)
+
+    t = jnp.float32(0.3)
+    for n in sizes:
+        k0, k1, k2 = jax.random.split(jax.random.key(n), 3)
+        h0, h1 = hermitian(k0, n), hermitian(k1, n)
+        x0 = jnp.diag(jax.random.normal(k2, (n,))).astype(jnp.complex64)
+        series = kdeqx.OperatorSeries(lambda t: h0 + jnp.cos(t) * h1, x0, order)
+        run = eqx.filter_jit(lambda s, t: s.normalised(t))
+        first, best, out = first_and_best(lambda: run(series, t), repeats=5)
+        bounds = []
+        for precision in (FULL_PRECISION, None):
+            bound = jax.jit(lambda h, x, p=precision: commutators(h, x, p))
+            bounds.append(first_and_best(lambda: bound(h0, x0), repeats=5)[1])
+        print(
+            f"OperatorSeries complex64 n={n} K={order}: first {first:.2f} s, steady "
+            f"{best * 1e3:.2f} ms = {best / bounds[0]:.2f}x {order} commutators at "
+            f"HIGHEST ({bounds[0] * 1e3:.2f} ms; default precision "
+            f"{bounds[1] * 1e3:.2f} ms); finite {bool(jnp.all(jnp.isfinite(out)))}"
+        )
+        record(
+            f"OperatorSeries complex64 n={n} K={order}",
+            best,
+            f"{order} commutators, HIGHEST, same chip",
+            bounds[0],
+        )
 
 
 def compile_report(name, fn, *args):
