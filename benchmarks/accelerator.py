@@ -3,7 +3,7 @@ same chip and scipy's `cKDTree` (`workers=-1`) on the same machine's host cores.
 
     python benchmarks/accelerator.py [--n 1e6] [--queries 1e5] [--k 8]
         [--brute-queries 1e4] [--shapes] [--compile-report] [--compile-parts]
-        [--compile-kernels] [--profile]
+        [--compile-kernels] [--profile] [--tile-k]
         [--skip-jaxkd] [--walk]
         [--part2] [--local-queries 1e5] [--liquid 1e5] [--series-n 256 1024]
 
@@ -19,7 +19,9 @@ compiles the build and kNN again, apart, and counts the sorts in them;
 `--compile-kernels` compiles the kernels of a kNN tile alone, each beside the way
 it was written before (a reduction with two operands and a comparator against two
 plain ones, rounds unrolled against a loop, 64-bit keys against 32-bit pairs);
-`--profile` prints the operations where a kNN call spends its device time. `--part2`
+`--profile` prints the operations where a kNN call spends its device time;
+`--tile-k` times kNN at k from 16 to 128 with a tile's k best by rounds of minima
+and by a sort. `--part2`
 also times what part 2 moves onto the blocks: `count_neighbors` of the queries'
 tree (three radii) against scipy's, `query_pairs` at about 10 pairs a point against
 scipy's `output_type="ndarray"`, `knn_graph` (k = 16) over every point against
@@ -128,6 +130,12 @@ def main():
         help="after the first calls, trace three kNN calls and print the device's "
         "costliest operations",
     )
+    parser.add_argument(
+        "--tile-k",
+        action="store_true",
+        help="kNN at k from 16 to 128 with a tile's k best by rounds of minima and "
+        "by a sort (kdeqx._engine._merge.ROUNDS_MAX_K)",
+    )
     parser.add_argument("--skip-jaxkd", action="store_true")
     parser.add_argument(
         "--quick",
@@ -201,6 +209,8 @@ def main():
             )
         if args.shapes:
             shapes(tree, x_dev, k, t_scipy, sd, si)
+        if args.tile_k:
+            tile_k(tree, x_dev, ref, queries)
         if args.quick:
             count_ball_point(tree, ref, queries, x_dev, r, task, host)
             continue
@@ -355,6 +365,30 @@ def liquid(n, density=0.8, r=2.285):
         f"NeighborList on blocks: allocate {allocated:.2f} s; update without a "
         f"rebuild: first {first:.2f} s, steady {best:.4f} s"
     )
+
+
+def tile_k(tree, x, ref, queries):
+    """kNN for k beyond 16, a tile's k best taken by rounds of minima against by a
+    sort, each checked against scipy."""
+    from kdeqx._engine import _merge
+
+    default = _merge.ROUNDS_MAX_K
+    for k in (16, 17, 32, 64, 128):
+        _, want = ref.query(queries, k=k, workers=-1)
+        times = []
+        for rounds_max in (k, k - 1):  # rounds, then the sort
+            _merge.ROUNDS_MAX_K = rounds_max
+            jax.clear_caches()  # the constant is read when the query is traced
+            knn = jax.jit(lambda t, x: t.query(x, k=k))
+            first, best, (_, i) = first_and_best(lambda: knn(tree, x))
+            times.append((first, best, np.mean(np.asarray(i) == want)))
+        (rf, rb, re), (sf, sb, se) = times
+        print(
+            f"kNN k={k}: rounds first {rf:.2f} s, steady {rb:.4f} s (equal {re:.6f}); "
+            f"sort first {sf:.2f} s, steady {sb:.4f} s (equal {se:.6f})"
+        )
+    _merge.ROUNDS_MAX_K = default
+    jax.clear_caches()
 
 
 def operator_series(sizes, order=40):

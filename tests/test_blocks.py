@@ -42,7 +42,7 @@ def test_knn_matches_brute_force_and_the_walk(dataset, dtype):
     blocks = kdeqx.KDTree(points, engine="blocks")
     walk = kdeqx.KDTree(points, engine="walk")
     exact = dtype == np.float64 or dataset in ("lattice", "duplicates")
-    for k in (1, 8, 40):  # rounds of minima up to 16, a sort beyond
+    for k in (1, 8, 40):  # a tile's k best by rounds of minima
         distances, indices = _query(blocks, x, k)
         assert distances.dtype == dtype
         assert_knn_correct(points, x, k, distances, indices, exact_ties=exact)
@@ -118,7 +118,7 @@ def test_smallest_first_in_order():
     np.testing.assert_array_equal(np.take_along_axis(x, positions, 1), values)
 
 
-@pytest.mark.parametrize("k", [1, 3, 8, 17])
+@pytest.mark.parametrize("k", [1, 3, 8, 17, 45])  # 45: by a sort (the tile is 40)
 def test_merging_a_tiles_k_best_keeps_the_k_smallest_pairs(k):
     from kdeqx._engine._merge import (
         best_of_pairs,

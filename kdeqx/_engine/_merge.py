@@ -371,8 +371,10 @@ def _padded_pairs(d2, indices, size: int, empty) -> _Keys:
     )
 
 
-# Up to this k a tile's k best are taken by rounds of minima, beyond it by a sort.
-ROUNDS_MAX_K = 16
+# Up to this k a tile's k best are taken by rounds of minima, beyond it by a sort:
+# `k` passes over the tile against a sort of it by two keys, which runs and compiles
+# slower until k is large (see `benchmarks/accelerator.py --tile-k`).
+ROUNDS_MAX_K = 64
 
 
 def smallest_pairs(
