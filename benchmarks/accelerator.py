@@ -243,7 +243,7 @@ def main():
             part2(tree, ref, pts, queries, r, int(args.local_queries))
             if name == "uniform":
                 liquid(int(args.liquid))
-                operator_series(args.series_n)
+                operator_series(args.series_n, args.profile)
 
 
 def count_ball_point(tree, ref, queries, x_dev, r, task, host):
@@ -391,10 +391,11 @@ def tile_k(tree, x, ref, queries):
     jax.clear_caches()
 
 
-def operator_series(sizes, order=40):
+def operator_series(sizes, profiled=False, order=40):
     """`OperatorSeries` in complex64 on the chip: first call and steady time against
     `order` commutators with the constant part of the generator, at the precision
-    the series multiplies with (`HIGHEST`) and at the chip's default."""
+    the series multiplies with (`HIGHEST`) and at the chip's default; with
+    `profiled`, where the largest size spends its device time."""
     import equinox as eqx
 
     from kdeqx._backend import FULL_PRECISION
@@ -436,6 +437,8 @@ def operator_series(sizes, order=40):
             f"{order} commutators, HIGHEST, same chip",
             bounds[0],
         )
+        if profiled and n == max(sizes):
+            profile(f"OperatorSeries n={n}", lambda: run(series, t))
 
 
 def compile_report(name, fn, *args):
