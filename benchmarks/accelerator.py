@@ -156,6 +156,12 @@ def main():
     parser.add_argument("--local-queries", type=float, default=1e5)
     parser.add_argument("--liquid", type=float, default=1e5)
     parser.add_argument("--series-n", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument(
+        "--series-paths",
+        action="store_true",
+        help="also time the series with its Cauchy product taken the other way "
+        "(at points or directly) than the backend's default",
+    )
     args = parser.parse_args()
     n, q, k = int(args.n), int(args.queries), args.k
     print(
@@ -243,7 +249,7 @@ def main():
             part2(tree, ref, pts, queries, r, int(args.local_queries))
             if name == "uniform":
                 liquid(int(args.liquid))
-                operator_series(args.series_n, args.profile)
+                operator_series(args.series_n, args.profile, args.series_paths)
 
 
 def count_ball_point(tree, ref, queries, x_dev, r, task, host):
@@ -391,14 +397,17 @@ def tile_k(tree, x, ref, queries):
     jax.clear_caches()
 
 
-def operator_series(sizes, profiled=False, order=40):
+def operator_series(sizes, profiled=False, both_paths=False, order=40):
     """`OperatorSeries` in complex64 on the chip: first call and steady time against
     `order` commutators with the constant part of the generator, at the precision
     the series multiplies with (`HIGHEST`) and at the chip's default; with
-    `profiled`, where the largest size spends its device time."""
+    `profiled`, where the largest size spends its device time; with `both_paths`,
+    the series again with its Cauchy product taken the other way (at points or
+    directly, `kdeqx.series._recursion.POINTS_FROM_WORK`)."""
     import equinox as eqx
 
     from kdeqx._backend import FULL_PRECISION
+    from kdeqx.series import _recursion
 
     def commutators(h, x, precision):
         def step(x, _):
@@ -439,6 +448,23 @@ def operator_series(sizes, profiled=False, order=40):
         )
         if profiled and n == max(sizes):
             profile(f"OperatorSeries n={n}", lambda: run(series, t))
+        if both_paths:
+            h = _recursion.FactoredTerms.of(jnp.ones((1, 3)), h0[None], order + 2)
+            at_points = _recursion._at_points_pays(h, n, order)
+            thresholds = _recursion.POINTS_FROM_WORK, _recursion.POINTS_FROM_WORK_TPU
+            forced = 2**80 if at_points else 0
+            _recursion.POINTS_FROM_WORK = _recursion.POINTS_FROM_WORK_TPU = forced
+            jax.clear_caches()  # the thresholds are read when the series is traced
+            run = eqx.filter_jit(lambda s, t: s.normalised(t))
+            other_first, other, other_out = first_and_best(lambda: run(series, t), 5)
+            _recursion.POINTS_FROM_WORK, _recursion.POINTS_FROM_WORK_TPU = thresholds
+            jax.clear_caches()
+            difference = float(jnp.max(jnp.abs(other_out - out)))
+            print(
+                f"  the product {'directly' if at_points else 'at points'} instead: "
+                f"first {other_first:.2f} s, steady {other * 1e3:.2f} ms = "
+                f"{other / bounds[0]:.2f}x; max difference {difference:.1e}"
+            )
 
 
 def compile_report(name, fn, *args):

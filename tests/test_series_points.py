@@ -195,6 +195,22 @@ def test_product_at_points_is_taken_where_it_pays(monkeypatch):
     assert len(calls) == 1
 
 
+def test_a_tpu_takes_the_product_at_points_only_for_larger_products():
+    """A TPU compiles the product at points slowly: there it starts at n = 1024
+    (K = 40), elsewhere at n = 256."""
+    h = _recursion.FactoredTerms.of(
+        jnp.ones((1, 3), jnp.complex64), jnp.eye(2, dtype=jnp.complex64)[None], 5
+    )
+    for n, backend, taken in [
+        (256, "cpu", True),
+        (256, "tpu", False),
+        (512, "tpu", False),
+        (1024, "tpu", True),
+        (1024, "gpu", True),
+    ]:
+        assert _recursion._at_points_pays(h, n, 40, backend) == taken, (n, backend)
+
+
 @pytest.mark.x64
 def test_memory_and_program_stay_small_at_points(monkeypatch):
     """The product at points holds `O(K n^2)` entries (values at `2K + 2` points, in

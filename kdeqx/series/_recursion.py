@@ -550,11 +550,17 @@ def _cauchy_product(
 # products of `n^3`, paired): from n = 256 at K = 40, n = 1024 at K = 8. There it
 # saves more per call than it adds to the compile, which it lengthens markedly;
 # below, a call saves too little to repay that. See `benchmarks/operator_series.py`.
+# A TPU compiles the product at points for several times as long as the direct one
+# and runs the direct one's products fast, so there it starts at `n = 1024` for
+# K = 40 (`benchmarks/accelerator.py --part2 --series-paths`).
 POINTS_FROM_WORK = 2**32
+POINTS_FROM_WORK_TPU = 2**37
 POINTS_ORDER_FROM = 8
 
 
-def _at_points_pays(hamiltonian: Terms, n: int, order: int) -> bool:
+def _at_points_pays(
+    hamiltonian: Terms, n: int, order: int, backend: str | None = None
+) -> bool:
     """Whether the product at points is taken: for factored generators, whose
     propagators' coefficients fall off as `h^k / k!` and suit a circle or two.
     A generator given by its coefficients may have any profile: an MLP's falls off
@@ -562,10 +568,12 @@ def _at_points_pays(hamiltonian: Terms, n: int, order: int) -> bool:
     much on any circle and are summed one product at a time (no faster than the
     direct product), and its propagator recursion costs most of its time anyway."""
     direct_work = (order + 1) ** 2 * n**3 // 4
+    backend = jax.default_backend() if backend is None else backend
+    least = POINTS_FROM_WORK_TPU if backend == "tpu" else POINTS_FROM_WORK
     return (
         isinstance(hamiltonian, FactoredTerms)
         and order >= POINTS_ORDER_FROM
-        and direct_work >= POINTS_FROM_WORK
+        and direct_work >= least
     )
 
 
