@@ -83,6 +83,7 @@ from ._scatters import (
     move_rows as move_rows,
     move_rows_in_place as move_rows_in_place,
     move_rows_reference as move_rows_reference,
+    picked_where as picked_where,
     scatters_element_by_element as scatters_element_by_element,
 )
 from ._sorting import (

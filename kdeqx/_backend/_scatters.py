@@ -104,15 +104,23 @@ def append_in_order(
     written = (slots >= count) & (slots < count + jnp.sum(inside, dtype=count.dtype))
 
     def picked(old, values):
-        least = (
-            -jnp.inf
-            if jnp.issubdtype(values.dtype, jnp.floating)
-            else jnp.iinfo(values.dtype).min
-        )
-        one = jnp.max(jnp.where(hits, values[:, None], least), axis=0)
-        return jnp.where(written, one, old)
+        return jnp.where(written, picked_where(hits, values[:, None], axis=0), old)
 
     return tuple(picked(old, values) for old, values in zip(kept, new, strict=True))
+
+
+def picked_where(hits: Bool[Array, "..."], values: Array, axis: int) -> Array:
+    """Along `axis`, the entry of `values` where `hits` is set (at most one is; the
+    two broadcast), or the dtype's least value where none is: by a compare and a
+    reduction, not a scatter."""
+    if values.dtype == jnp.bool_:
+        return jnp.any(hits & values, axis=axis)
+    least = (
+        -jnp.inf
+        if jnp.issubdtype(values.dtype, jnp.floating)
+        else jnp.iinfo(values.dtype).min
+    )
+    return jnp.max(jnp.where(hits, values, least), axis=axis)
 
 
 def append_in_order_reference(kept, new, inside, count, backend=None):

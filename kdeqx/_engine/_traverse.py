@@ -32,6 +32,7 @@ from .._backend import (
     argsort_keys,
     gather_clamped,
     lane_count,
+    picked_where,
     scatters_element_by_element,
     step_cap,
 )
@@ -267,14 +268,7 @@ def _picked(hits: Bool[Array, "rows size slots"], values: Array) -> Array:
     """For each row and slot, the entry of `values` (`(rows, size, ...)`) where
     `hits` is set (at most one), as `(rows, slots, ...)`."""
     hits = hits[(..., *(None,) * (values.ndim - 2))]
-    if values.dtype == jnp.bool_:
-        return jnp.any(hits & values[:, :, None], axis=1)
-    least = (
-        -jnp.inf
-        if jnp.issubdtype(values.dtype, jnp.floating)
-        else jnp.iinfo(values.dtype).min
-    )
-    return jnp.max(jnp.where(hits, values[:, :, None], least), axis=1)
+    return picked_where(hits, values[:, :, None], axis=1)
 
 
 def _ranks(emits: Bool[Array, "*groups size"]) -> Int[Array, "*groups size"]:
