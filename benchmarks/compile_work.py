@@ -14,7 +14,7 @@ the XLA compile; `callgrind_annotate --inclusive=yes OUT` splits it into LLVM
 (`xla::cpu::IrCompiler`), the MLIR fusion emitters (`xla::cpu::FusionCompiler`) and
 the HLO passes. Each run takes about two minutes under valgrind.
 
-    python benchmarks/compile_work.py --time [--n 1e6 --queries 1e5]
+    python benchmarks/compile_work.py --time [--n 1e6 --queries 1e5] [--engine blocks]
 
 times the three stages on the wall clock instead (a fresh `jax.jit` each time; the
 first time, in a fresh process, also traces the library's inner functions, which later
@@ -42,9 +42,10 @@ def main():
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--time", action="store_true")
     parser.add_argument("--as-called", action="store_true")
+    parser.add_argument("--engine", default="auto", choices=["auto", "walk", "blocks"])
     args = parser.parse_args()
     points = jax.ShapeDtypeStruct((int(args.n), 3), jnp.float32)
-    tree = jax.eval_shape(kdeqx.KDTree, points)
+    tree = jax.eval_shape(lambda p: kdeqx.KDTree(p, engine=args.engine), points)
     x = jax.ShapeDtypeStruct((int(args.queries), 3), jnp.float32)
     if args.time:
         time_stages(tree, x, args.k, jit_options(args.as_called))
@@ -65,7 +66,10 @@ def jit_options(as_called: bool) -> dict:
 
 
 def time_stages(tree, x, k, options, repeats=6):
-    """Prints the wall-clock seconds of tracing, lowering and compiling the query."""
+    """Prints the wall-clock seconds of tracing, lowering and compiling the query,
+    and the size of its compiled program (instructions, nested computations
+    included): the program of a query that does not grow with the tree has the same
+    size at every `--n`."""
     stages = {"trace": [], "lower": [], "compile": [], "total": []}
     for _ in range(repeats):
         start = time.perf_counter()
@@ -73,14 +77,17 @@ def time_stages(tree, x, k, options, repeats=6):
         traced_at = time.perf_counter()
         lowered = traced.lower()
         lowered_at = time.perf_counter()
-        lowered.compile()
+        compiled = lowered.compile()
         compiled_at = time.perf_counter()
         stages["trace"].append(traced_at - start)
         stages["lower"].append(lowered_at - traced_at)
         stages["compile"].append(compiled_at - lowered_at)
         stages["total"].append(compiled_at - start)
+    text = compiled.as_text() or ""
+    instructions = sum(" = " in line for line in text.splitlines())
     print(
-        f"n = {tree.n:,}, Q = {x.shape[0]:,}, k = {k}, float32, jax {jax.__version__}"
+        f"n = {tree.n:,}, Q = {x.shape[0]:,}, k = {k}, float32, jax {jax.__version__}, "
+        f"{type(tree).__name__} engine {tree.engine!r}: {instructions} instructions"
     )
     for name, seconds in stages.items():
         print(

@@ -92,18 +92,28 @@ def test_vmap_over_trees():
 
 
 @pytest.mark.parametrize(
-    "dataset, shape, window",
-    [("uniform", (4, 2, 4, 2), 32), ("clustered", (8, 1, 2, 1), 1)],
+    "dataset, shape, window, deep",
+    [
+        ("uniform", (4, 2, 4, 2), 32, False),
+        ("clustered", (8, 1, 2, 1), 1, False),
+        ("uniform", (4, 2, 8, 2), 32, True),
+    ],
 )
 def test_tiny_budgets_take_every_fallback_and_stay_exact(
-    monkeypatch, request, dataset, shape, window
+    monkeypatch, request, dataset, shape, window, deep
 ):
     """Budgets far too small: blocks overflow, narrow their reach in rounds, are
     searched query by query, and those take every leaf within reach, a window of
     leaves at a time (one chunk's: most windows have more within reach than
-    fit); the answers stay exact."""
+    fit); the answers stay exact. `deep`: a descent of a level a step, from the
+    first level, as deep trees descend (the steps between the first and the last
+    two as a loop, subtrees counted whole in it too)."""
     monkeypatch.setattr(_lanes, "_BLOCK_SHAPE", _lanes.BlockShape(*shape))
     monkeypatch.setattr(_blocks, "EVERY_WINDOW", window)
+    if deep:
+        monkeypatch.setattr(_blocks, "FIRST_LEVEL", 1)
+        monkeypatch.setattr(_blocks, "STRIDE", 1)
+        assert len(_blocks._schedule(7, 8)) > 1 + _blocks.UNROLLED + 2  # a loop
     # The queries' traces are cached by their static arguments, which hold no shape:
     # without this, they would reuse programs of the default shape.
     jax.clear_caches()

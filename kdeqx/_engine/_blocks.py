@@ -674,12 +674,19 @@ def _first_states(steps: _Steps, tiles: _Tiles, visitors, visitor_axis, init, m)
 # to a level at most `FIRST_LEVEL` deep.
 STRIDE = 3
 FIRST_LEVEL = 10
+# The descent's last `UNROLLED` steps are written out, each keeping twice as many
+# nodes as the one above; the steps between the first and those, as many as the
+# tree is deep, are one loop whose every step keeps as many as the first of them
+# (`_Descent`): the program is the same whatever the tree's size.
+UNROLLED = 2
 
 
 def _schedule(depth: int, width: int) -> list[tuple[int, int]]:
     """The descent's steps as `(levels down, nodes kept)`: from the root to the
     leaves (level `depth`), `STRIDE` levels a step from the bottom up and the rest
-    in the first step, keeping half as many nodes a step up as below it."""
+    in the first step, keeping half as many nodes a step up as below it, down to
+    `width >> UNROLLED` (the steps above the last `UNROLLED` and the first all keep
+    that many)."""
     levels = []
     level = depth
     while level > FIRST_LEVEL:
@@ -689,10 +696,68 @@ def _schedule(depth: int, width: int) -> list[tuple[int, int]]:
     levels = levels[::-1]
     steps, above = [], 0
     for i, level in enumerate(levels):
-        kept = max(1, width >> (len(levels) - 1 - i))
+        kept = max(1, width >> min(len(levels) - 1 - i, UNROLLED))
         steps.append((level - above, kept))
         above = level
     return [step for step in steps if step[0] > 0]
+
+
+class _Frontier(eqx.Module):
+    """A descent's state after a step: each block's kept nodes (`-1`: none), their
+    least box distance to a query that needs them, whether the block outgrew what a
+    step keeps, and, for nodes taken whole, the points counted for each query."""
+
+    nodes: Int[Array, "blocks kept"]
+    box_d2: Float[Array, "blocks kept"]
+    overflowed: Bool[Array, " blocks"]
+    counted: Int[Array, "blocks size"] | None
+
+
+class _Descent(eqx.Module):
+    """One descent's fixed parts: the queries' tiles, their reach, the box table,
+    and, for nodes taken whole, the points of every node (`_points_of_nodes`)."""
+
+    tiles: "_Tiles"
+    reach: Float[Array, "blocks size"] | None
+    whole: Float[Array, "blocks size"] | None
+    boxes: Float[Array, "rows columns"]
+    node_points: Int[Array, " nodes"] | None
+
+    def step(self, frontier: _Frontier, down: int, kept: int) -> _Frontier:
+        """The nodes `down` levels below the frontier's, `kept` of them, nearest
+        first."""
+        blocks, _, d = self.tiles.queries.shape
+        span = 2**down
+        table = self.boxes[: self.boxes.shape[0] // span * span]
+        rows = gather_clamped(table.reshape(-1, span * 2 * d), frontier.nodes + 1)
+        rows = rows.reshape(blocks, -1, 2 * d)
+        children = (frontier.nodes[..., None] + 1) * span - 1 + jnp.arange(span)
+        children = jnp.where(frontier.nodes[..., None] >= 0, children, -1)
+        children = children.reshape(blocks, -1)
+        d2 = self.tiles.row_box_d2(rows, children)
+        overflowed, counted = frontier.overflowed, frontier.counted
+        if self.reach is None:
+            d2 = jnp.min(d2, axis=1)
+        else:
+            needed = d2 <= self.reach[:, :, None]
+            if self.whole is not None and counted is not None:
+                inside = needed & (
+                    self.tiles.row_far_d2(rows) <= self.whole[:, :, None]
+                )
+                needed = needed & ~inside
+                dropped = inside & ~jnp.any(needed, axis=1, keepdims=True)
+                points = _points_in_children(self.node_points, frontier.nodes, span)
+                counted = counted + jnp.sum(
+                    jnp.where(dropped, points[:, None, :], 0),
+                    axis=2,
+                    dtype=counted.dtype,
+                )
+            d2 = jnp.min(jnp.where(needed, d2, jnp.inf), axis=1)
+            overflowed = overflowed | (jnp.sum(d2 < jnp.inf, axis=1) > kept)
+        kept = min(kept, children.shape[1])
+        box_d2, nodes = smallest_first_of(d2, children, kept)
+        nodes = jnp.where(box_d2 < jnp.inf, nodes, -1)
+        return _Frontier(nodes, box_d2, overflowed, counted)
 
 
 def _descend(steps: _Steps, tiles: _Tiles, width: int, reach, whole=None):
@@ -719,73 +784,81 @@ def _descend(steps: _Steps, tiles: _Tiles, width: int, reach, whole=None):
     taken whole for each query (else `None`).
     """
     tree = steps.tree
-    blocks, _, d = tiles.queries.shape
+    blocks = tiles.queries.shape[0]
     index_dtype = tree.leaf_indices.dtype
-    depth = steps.depth
     # Each node's box as a row `(lo, hi)`, shifted by one so that the descendants
     # of node `i` some levels down are rows `(i + 1) 2**s ...` of a table of
     # `2**s` nodes a row.
-    boxes = jnp.concatenate([tree.node_lo, tree.node_hi]).T
-    boxes = jnp.pad(boxes, ((1, 0), (0, 0)))
-    frontier = jnp.zeros((blocks, 1), index_dtype)
-    overflowed = jnp.zeros(blocks, bool)
-    box_d2 = jnp.zeros((blocks, 1), tiles.queries.dtype)
-    counted = None if whole is None else jnp.zeros(whole.shape, index_dtype)
-    before = None if whole is None else _points_before_leaves(tree)
-    level = 0
-    for down, kept in _schedule(depth, width):
-        span = 2**down
-        level += down
-        table = boxes[: boxes.shape[0] // span * span].reshape(-1, span * 2 * d)
-        rows = gather_clamped(table, frontier + 1).reshape(blocks, -1, 2 * d)
-        children = (frontier[..., None] + 1) * span - 1 + jnp.arange(span)
-        children = jnp.where(frontier[..., None] >= 0, children, -1)
-        children = children.reshape(blocks, -1)
-        d2 = tiles.row_box_d2(rows, children)
-        if reach is None:
-            d2 = jnp.min(d2, axis=1)
-        else:
-            needed = d2 <= reach[:, :, None]
-            if whole is not None and counted is not None and before is not None:
-                inside = needed & (tiles.row_far_d2(rows) <= whole[:, :, None])
-                needed = needed & ~inside
-                dropped = inside & ~jnp.any(needed, axis=1, keepdims=True)
-                points = _points_in_children(before, frontier, span, depth - level)
-                counted = counted + jnp.sum(
-                    jnp.where(dropped, points[:, None, :], 0), axis=2, dtype=index_dtype
-                )
-            d2 = jnp.min(jnp.where(needed, d2, jnp.inf), axis=1)
-            overflowed = overflowed | (jnp.sum(d2 < jnp.inf, axis=1) > kept)
-        kept = min(kept, children.shape[1])
-        box_d2, frontier = smallest_first_of(d2, children, kept)
-        frontier = jnp.where(box_d2 < jnp.inf, frontier, -1)
-    pad = width - frontier.shape[1]
-    frontier = jnp.pad(frontier, ((0, 0), (0, pad)), constant_values=-1)
-    box_d2 = jnp.pad(box_d2, ((0, 0), (0, pad)), constant_values=jnp.inf)
-    leaves = jnp.where(frontier >= 0, frontier - steps.first_leaf, -1)
-    return leaves, box_d2, overflowed, counted
+    boxes = jnp.pad(jnp.concatenate([tree.node_lo, tree.node_hi]).T, ((1, 0), (0, 0)))
+    node_points = None if whole is None else _points_of_nodes(tree, steps.depth)
+    descent = _Descent(tiles, reach, whole, boxes, node_points)
+    frontier = _Frontier(
+        jnp.zeros((blocks, 1), index_dtype),
+        jnp.zeros((blocks, 1), tiles.queries.dtype),
+        jnp.zeros(blocks, bool),
+        None if whole is None else jnp.zeros(whole.shape, index_dtype),
+    )
+    schedule = _schedule(steps.depth, width)
+    if len(schedule) <= 1 + UNROLLED:
+        for down, kept in schedule:
+            frontier = descent.step(frontier, down, kept)
+    else:
+        last = len(schedule) - UNROLLED
+        (first_down, first_kept), *looped = schedule[:last]
+        frontier = descent.step(frontier, first_down, first_kept)
+        down, kept = looped[0]
+        frontier = lax.fori_loop(
+            0,
+            len(looped),
+            lambda _, f: descent.step(f, down, kept),
+            _padded(frontier, kept),
+        )
+        for down, kept in schedule[last:]:
+            frontier = descent.step(frontier, down, kept)
+    frontier = _padded(frontier, width)
+    leaves = jnp.where(frontier.nodes >= 0, frontier.nodes - steps.first_leaf, -1)
+    return leaves, frontier.box_d2, frontier.overflowed, frontier.counted
 
 
-def _points_before_leaves(tree) -> Int[Array, " m"]:
-    """How many points the leaves before each leaf hold (and all of them, last)."""
+def _padded(frontier: _Frontier, size: int) -> _Frontier:
+    """`frontier` with `size` nodes a block, the missing ones none."""
+    pad = ((0, 0), (0, size - frontier.nodes.shape[1]))
+    return _Frontier(
+        jnp.pad(frontier.nodes, pad, constant_values=-1),
+        jnp.pad(frontier.box_d2, pad, constant_values=jnp.inf),
+        frontier.overflowed,
+        frontier.counted,
+    )
+
+
+def _points_of_nodes(tree, depth: int) -> Int[Array, " rows"]:
+    """How many points each node holds, in the order of the nodes (level by level,
+    as the box table), after one zero: the table whose rows of `2**s` entries from
+    row `i + 1` on are the descendants of node `i` some `s` levels down. Node `j`
+    at level `l` covers `2**(depth - l)` consecutive leaves, the first of them
+    `(j + 1) 2**(depth - l) - 2**depth`: its points are a difference of the count
+    of points before each leaf."""
     index_dtype = tree.leaf_indices.dtype
     real = tree.leaf_indices.reshape(-1, tree.leaf_size) < tree.n
     per_leaf = jnp.sum(real, axis=1, dtype=index_dtype)
-    return jnp.concatenate([jnp.zeros(1, index_dtype), jnp.cumsum(per_leaf)])
+    before = jnp.concatenate([jnp.zeros(1, index_dtype), jnp.cumsum(per_leaf)])
+    node = jnp.arange(2 ** (depth + 1) - 1, dtype=jnp.int32)
+    level = 31 - lax.clz(node + 1)
+    height = depth - level
+    first = ((node + 1) << height) - 2**depth
+    last = first + (1 << height)
+    points = gather_clamped(before, last) - gather_clamped(before, first)
+    return jnp.concatenate([jnp.zeros(1, index_dtype), points.astype(index_dtype)])
 
 
 def _points_in_children(
-    before, frontier: Int[Array, "blocks f"], span: int, height: int
+    node_points, frontier: Int[Array, "blocks f"], span: int
 ) -> Int[Array, "blocks m"]:
     """How many points the `span` descendants of each `frontier` node (`-1`: none)
-    hold, `height` levels above the leaves, where each covers `2**height`
-    consecutive leaves (`before`: `_points_before_leaves`). The frontier's nodes
-    share a level, whose `j`-th node's descendants are row `j` of a table of their
-    counts: gathered as rows, as the descent gathers boxes (a TPU gathers rows far
-    faster than scalars, and short slices one at a time)."""
-    bounds = before[:: 2**height]  # at each descendant's first leaf, and the end
-    counts = (bounds[1:] - bounds[:-1]).reshape(-1, span)
-    # The level's first node, `2**level - 1`, has row 0; the level has a row a node.
-    rows = gather_clamped(counts, frontier + 1 - counts.shape[0])
+    hold (`node_points`: `_points_of_nodes`). Gathered as rows, as the descent
+    gathers boxes: a TPU gathers rows far faster than scalars, and short slices
+    one at a time."""
+    table = node_points[: node_points.shape[0] // span * span].reshape(-1, span)
+    rows = gather_clamped(table, frontier + 1)
     points = jnp.where(frontier[..., None] >= 0, rows, 0)
     return points.reshape(frontier.shape[0], -1)
