@@ -31,7 +31,8 @@ Sections 1-4 use the question's problem, H = cos(t) sy, X_0 = sx, t = 1.
    best of each: the run/bound ratio without the drift between separate runs.
 7. Section 5's driven series with its Cauchy product computed directly (`O(K^2)`
    products) and from values at points on circles (`O(K)`, the default where the
-   direct product is large), the choice forced each way: first calls, steady runs
+   direct product is large), the choice forced each way, each under a `jit` of its
+   own (no quick start): first calls, steady runs
    timed alternately (best of `--repeats`, one run each past 20 s), and their
    largest relative difference per order.
 
@@ -511,11 +512,14 @@ def points_against_direct(args):
             runs, firsts, values = [], [], []
             for work in (math.inf, 0):
                 # Traces are cached by the series' structure, which holds no
-                # threshold: each variant is traced and compiled afresh.
+                # threshold: each variant is traced and compiled afresh, in a
+                # program of its own (a jitted function of its own), so that the
+                # second does not replace the first in the cache.
                 jax.clear_caches()
                 _recursion.POINTS_FROM_WORK = work
                 series = driven_series(problem, order)
-                run = ft.partial(lambda s: s.normalised(t), series)
+                jitted = eqx.filter_jit(lambda s: s.normalised(t))
+                run = ft.partial(jitted, series)
                 value, first = timed(run)
                 runs.append(run)
                 firsts.append(first)
