@@ -17,6 +17,27 @@ def _query_size(n):
     return count_equations(jaxpr.jaxpr)
 
 
+def _block_query_sizes(n):
+    """Equations of a kNN query, a radius count and a ball query on the block
+    engine over `n` points (shapes only: nothing runs)."""
+    points = jax.ShapeDtypeStruct((n, 3), jnp.float32)
+    tree = eqx.filter_eval_shape(lambda p: kdeqx.KDTree(p, engine="blocks"), points)
+    x = jax.ShapeDtypeStruct((64, 3), jnp.float32)
+    queries = [
+        lambda t, x: t.query(x, 8),
+        lambda t, x: t.count_ball_point(x, 0.01),
+        lambda t, x: t.query_ball_point(x, 0.01, 16),
+    ]
+    return [count_equations(jax.make_jaxpr(q)(tree, x).jaxpr) for q in queries]
+
+
+def test_block_engine_programs_do_not_grow_with_n():
+    # From 2**17 leaves on, the descent's middle steps are one loop: trees of a
+    # few million points and of hundreds of millions descend in the same program.
+    sizes = [_block_query_sizes(n) for n in (4_000_000, 14_000_000, 140_000_000)]
+    assert sizes[0] == sizes[1] == sizes[2]
+
+
 def _build_size(n):
     points = jax.ShapeDtypeStruct((n, 3), jnp.float32)
     return count_equations(jax.make_jaxpr(kdeqx.KDTree)(points).jaxpr)
