@@ -674,10 +674,10 @@ def _first_states(steps: _Steps, tiles: _Tiles, visitors, visitor_axis, init, m)
 # to a level at most `FIRST_LEVEL` deep.
 STRIDE = 3
 FIRST_LEVEL = 10
-# The descent's last `UNROLLED` steps are written out, each keeping twice as many
-# nodes as the one above; the steps between the first and those, as many as the
-# tree is deep, are one loop whose every step keeps as many as the first of them
-# (`_Descent`): the program is the same whatever the tree's size.
+# The descent's first step and its last `UNROLLED` steps are written out, the last
+# ones keeping twice as many nodes as the step above; the steps between, as many as
+# the tree is deep, are one loop, each keeping as many as the first step,
+# `width >> UNROLLED`: the program is the same whatever the tree's size.
 UNROLLED = 2
 
 
