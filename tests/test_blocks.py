@@ -62,6 +62,34 @@ def test_knn_matches_scipy_in_float64():
         np.testing.assert_array_equal(indices, reference[1])
 
 
+def test_answers_put_back_in_order_the_tpus_way(monkeypatch, request):
+    """Answers put back in the queries' order by a gather through the inverse
+    permutation (a TPU's way, on the CPU) are those of the scatter and scipy's, for
+    the k nearest and the counts, over queries that fill no whole block."""
+    from kdeqx._engine import _blocks
+
+    rng = np.random.default_rng(21)
+    points, x = rng.random((2000, 3)).astype(np.float32), rng.random((333, 3))
+    x = x.astype(np.float32)
+    tree = kdeqx.KDTree(points, engine="blocks")
+
+    def answers():
+        return _query(tree, x, 8), tree.count_ball_point(x, 0.1)
+
+    scattered = answers()
+    monkeypatch.setattr(_blocks, "scatters_element_by_element", lambda b=None: True)
+    jax.clear_caches()  # read when a query is traced
+    request.addfinalizer(jax.clear_caches)
+    (distances, indices), counts = answers()
+    np.testing.assert_array_equal(indices, scattered[0][1])
+    np.testing.assert_array_equal(distances, scattered[0][0])
+    np.testing.assert_array_equal(counts, scattered[1])
+    reference = cKDTree(points)
+    np.testing.assert_array_equal(indices, reference.query(x, 8)[1])
+    want = reference.query_ball_point(x, 0.1, return_length=True)
+    np.testing.assert_array_equal(counts, want)
+
+
 @pytest.mark.parametrize("p", [1.0, 3.0, np.inf])
 def test_other_norms_periodic_boxes_and_bounds_match_scipy(p):
     rng = np.random.default_rng(2)

@@ -39,6 +39,7 @@ from .._backend import (
     gather_clamped,
     query_block_shape,
     radix_order,
+    scatters_element_by_element,
     smallest_first_of,
     sorts_compile_slowly,
     stable_partition,
@@ -178,12 +179,28 @@ def _walk_blocks(tree, x, visitors, metric, visitor_axis, count, sink=None):
         states = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:])[:flat], states)
         overflowed = overflowed.reshape(-1)[:blocks]
 
-    def in_input_order(s):
-        s = s.reshape(flat, *s.shape[2:])[:q]
-        return jnp.zeros_like(s).at[order].set(s, unique_indices=True)
-
     flag = jnp.sum(overflowed) if count else jnp.any(overflowed)
-    return jax.tree.map(in_input_order, states), sink, flag
+    return jax.tree.map(_in_input_order(order, flat), states), sink, flag
+
+
+def _in_input_order(order: Int[Array, " q"], flat: int):
+    """A map of states `(blocks, size, ...)`, rows along the curve `order` (and
+    padding), to states `(q, ...)` in the queries' order.
+
+    A TPU scatters element by element, so there the rows are gathered through the
+    inverse permutation instead (one scatter of `q` positions), as rows are gathered
+    elsewhere in this engine."""
+    q = order.shape[0]
+    if not scatters_element_by_element():
+
+        def scattered(s):
+            s = s.reshape(flat, *s.shape[2:])[:q]
+            return jnp.zeros_like(s).at[order].set(s, unique_indices=True)
+
+        return scattered
+    positions = jnp.arange(q, dtype=order.dtype)
+    inverse = jnp.zeros_like(order).at[order].set(positions, unique_indices=True)
+    return lambda s: gather_clamped(s.reshape(flat, *s.shape[2:]), inverse)
 
 
 # The block engine searches at most this many queries at once (a group of blocks
