@@ -15,7 +15,8 @@ gather, so this engine does the same search as a few large array operations:
    (a radius).
 3. A second pass goes down the tree level by level with each block's frontier of at
    most `budget` nodes, keeping every node whose box lies within the block's reach
-   (the farthest of its queries'), nearest first (`kdeqx._backend.smallest_first_of`).
+   (the farthest of its queries'), nearest first (`kdeqx._backend.smallest_first_of`),
+   but for the leaves of the first pass, whose points the states hold already.
 4. The kept leaves are folded into the queries' states a chunk at a time, nearest
    first, as `(block, chunk points)` tiles of powered distances, until a chunk's
    nearest box lies beyond every reach in its block.
@@ -116,11 +117,15 @@ def _walk_blocks(tree, x, visitors, metric, visitor_axis, count, sink=None):
         """`(states, overflowed, sink)` of the blocks `xb`."""
         flat = xb.shape[0] * size
         first_points = visitors.first_points()
+        start, seen = init, None
         if first_points > 0:
             leaves = max(shape.nearest_leaves, -(-first_points // tree.leaf_size))
             tiles = _Tiles(steps, xb)
-            first = _first_states(steps, tiles, vb, visitor_axis, init, leaves)
+            nearest, first = _first_states(steps, tiles, vb, visitor_axis, init, leaves)
             own_reach = reach(vb, first)
+            if sink is None:
+                # The stage goes on from the first pass, without its leaves.
+                start, seen = first, nearest
         else:
             own_reach = reach(vb, init)
         states, overflowed, sink = _stage(
@@ -128,13 +133,14 @@ def _walk_blocks(tree, x, visitors, metric, visitor_axis, count, sink=None):
             xb,
             vb,
             visitor_axis,
-            init,
+            start,
             own_reach,
             shape.budget,
             shape.chunk,
             exhaustive=False,
             sink=sink,
             real=real,
+            seen=seen,
         )
         # The queries of blocks that overflowed again, each a block of its own,
         # within its own reach: a curve's jump can make a block wide.
@@ -309,6 +315,7 @@ def _stage(
     exhaustive: bool,
     sink: Sink | None = None,
     real: Bool[Array, "blocks size"] | None = None,
+    seen: Int[Array, "blocks m"] | None = None,
 ):
     """The states of blocks of queries `xb`, from `init`, after every leaf within
     each block's reach (the largest of its queries' `own_reach`, narrowing as the
@@ -324,8 +331,12 @@ def _stage(
 
     With a `sink`, the records of the `real` queries of each block whose search
     completes are appended to it (an incomplete one emits nothing: its queries are
-    searched again). **Returns:** `(states, overflowed, sink)`.
+    searched again). With `seen`, each block's leaves whose points `init` holds
+    already (`-1`: none), those are left out. **Returns:** `(states, overflowed,
+    sink)`.
     """
+    # Taking every leaf would fold the seen ones again.
+    assert seen is None or not exhaustive
     tree = steps.tree
     index_dtype = tree.leaf_indices.dtype
     reach_of_states = jax.vmap(jax.vmap(_reach, (visitor_axis, 0)), (visitor_axis, 0))
@@ -350,7 +361,7 @@ def _stage(
         which of them outgrew the budget (those take every leaf if `last`)."""
         reach = jnp.where(active[:, None], reach, -jnp.inf)
         leaves, near_d2, overflowed, counted = _descend(
-            steps, tiles, budget, reach, whole
+            steps, tiles, budget, reach, whole, seen
         )
         complete = active & (~overflowed | (last & exhaustive))
         emitting = None if sink is None else complete[:, None] & real
@@ -678,12 +689,12 @@ class _Tiles(eqx.Module):
 
 
 def _first_states(steps: _Steps, tiles: _Tiles, visitors, visitor_axis, init, m):
-    """The states after each block's queries have seen the points of the `m`
-    leaves nearest to some query of the block (found as `_descend` finds leaves,
-    keeping the nearest): a first bound on each query's reach, from points near
-    it."""
+    """`(leaves, states)`: the `m` leaves nearest to some query of each block
+    (found as `_descend` finds leaves, keeping the nearest; `-1`: none), and the
+    states after the block's queries have seen their points: a first bound on each
+    query's reach, from points near it."""
     nearest, _, _, _ = _descend(steps, tiles, m, None)
-    return tiles.fold(visitors, visitor_axis, init, nearest)[0]
+    return nearest, tiles.fold(visitors, visitor_axis, init, nearest)[0]
 
 
 # The descent goes this many levels a step (the nodes `2**STRIDE` levels below a
@@ -732,17 +743,21 @@ class _Frontier(eqx.Module):
 
 class _Descent(eqx.Module):
     """One descent's fixed parts: the queries' tiles, their reach, the box table,
-    and, for nodes taken whole, the points of every node (`_points_of_nodes`)."""
+    for nodes taken whole the points of every node (`_points_of_nodes`), and the
+    leaves each block has seen already (node numbers, `-1`: none), left out."""
 
     tiles: "_Tiles"
     reach: Float[Array, "blocks size"] | None
     whole: Float[Array, "blocks size"] | None
     boxes: Float[Array, "rows columns"]
     node_points: Int[Array, " nodes"] | None
+    seen: Int[Array, "blocks m"] | None
 
-    def step(self, frontier: _Frontier, down: int, kept: int) -> _Frontier:
+    def step(
+        self, frontier: _Frontier, down: int, kept: int, leaves: bool = False
+    ) -> _Frontier:
         """The nodes `down` levels below the frontier's, `kept` of them, nearest
-        first."""
+        first; the `seen` ones left out where they are `leaves`."""
         blocks, _, d = self.tiles.queries.shape
         span = 2**down
         table = self.boxes[: self.boxes.shape[0] // span * span]
@@ -770,6 +785,9 @@ class _Descent(eqx.Module):
                     dtype=counted.dtype,
                 )
             d2 = jnp.min(jnp.where(needed, d2, jnp.inf), axis=1)
+            if leaves and self.seen is not None:
+                known = children[:, :, None] == self.seen[:, None, :]
+                d2 = jnp.where(jnp.any(known, axis=2), jnp.inf, d2)
             overflowed = overflowed | (jnp.sum(d2 < jnp.inf, axis=1) > kept)
         kept = min(kept, children.shape[1])
         box_d2, nodes = smallest_first_of(d2, children, kept)
@@ -777,7 +795,7 @@ class _Descent(eqx.Module):
         return _Frontier(nodes, box_d2, overflowed, counted)
 
 
-def _descend(steps: _Steps, tiles: _Tiles, width: int, reach, whole=None):
+def _descend(steps: _Steps, tiles: _Tiles, width: int, reach, whole=None, seen=None):
     """Each block's leaves within reach of some query of it (`reach`, one per
     query; `None`: keep the nearest whatever their distance), nearest first, by a
     descent from the root in a few steps of several levels (`_schedule`) that keeps
@@ -795,6 +813,9 @@ def _descend(steps: _Steps, tiles: _Tiles, width: int, reach, whole=None):
     are counted for the queries it lies within `whole` of (a ball's frontier is
     then its surface's nodes, not its volume's).
 
+    With `seen` (`(blocks, m)` leaf numbers, `-1` for none), those leaves are left
+    out of each block's, as if beyond reach: their points are known already.
+
     **Returns:** `(leaves, box_d2, overflowed, counted)`: `(blocks, width)` leaf
     numbers (`-1` for none) and their least box distance to a query that needs
     them (`inf` for none), the flags, and with `whole` the points of the nodes
@@ -808,7 +829,10 @@ def _descend(steps: _Steps, tiles: _Tiles, width: int, reach, whole=None):
     # `2**s` nodes a row.
     boxes = jnp.pad(jnp.concatenate([tree.node_lo, tree.node_hi]).T, ((1, 0), (0, 0)))
     node_points = None if whole is None else _points_of_nodes(tree, steps.depth)
-    descent = _Descent(tiles, reach, whole, boxes, node_points)
+    seen_nodes = (
+        None if seen is None else jnp.where(seen >= 0, seen + steps.first_leaf, -1)
+    )
+    descent = _Descent(tiles, reach, whole, boxes, node_points, seen_nodes)
     frontier = _Frontier(
         jnp.zeros((blocks, 1), index_dtype),
         jnp.zeros((blocks, 1), tiles.queries.dtype),
@@ -817,8 +841,8 @@ def _descend(steps: _Steps, tiles: _Tiles, width: int, reach, whole=None):
     )
     schedule = _schedule(steps.depth, width)
     if len(schedule) <= 1 + UNROLLED:
-        for down, kept in schedule:
-            frontier = descent.step(frontier, down, kept)
+        for i, (down, kept) in enumerate(schedule):
+            frontier = descent.step(frontier, down, kept, i == len(schedule) - 1)
     else:
         last = len(schedule) - UNROLLED
         (first_down, first_kept), *looped = schedule[:last]
@@ -830,8 +854,8 @@ def _descend(steps: _Steps, tiles: _Tiles, width: int, reach, whole=None):
             lambda _, f: descent.step(f, down, kept),
             _padded(frontier, kept),
         )
-        for down, kept in schedule[last:]:
-            frontier = descent.step(frontier, down, kept)
+        for i, (down, kept) in enumerate(schedule[last:]):
+            frontier = descent.step(frontier, down, kept, i == UNROLLED - 1)
     frontier = _padded(frontier, width)
     leaves = jnp.where(frontier.nodes >= 0, frontier.nodes - steps.first_leaf, -1)
     return leaves, frontier.box_d2, frontier.overflowed, frontier.counted
