@@ -488,7 +488,13 @@ def _fold_chunks(
 
     def body(carry):
         c, states, sink, taken, _, scanned = carry
-        states, sink = tiles.fold(vb, visitor_axis, states, taken, sink, emitting)
+        # A chunk none of whose leaves some query reaches (reaches narrow after the
+        # descent lists leaves) adds nothing: its tile is not measured.
+        states, sink = lax.cond(
+            jnp.any(taken >= 0),
+            lambda: tiles.fold(vb, visitor_axis, states, taken, sink, emitting),
+            lambda: (states, sink),
+        )
         return c + 1, states, sink, *chunk_at(c + 1, states, scanned)
 
     zero = jnp.zeros((), index_dtype)
