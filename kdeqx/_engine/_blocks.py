@@ -186,27 +186,31 @@ def _walk_blocks(tree, x, visitors, metric, visitor_axis, count, sink=None):
         overflowed = overflowed.reshape(-1)[:blocks]
 
     flag = jnp.sum(overflowed) if count else jnp.any(overflowed)
-    return jax.tree.map(_in_input_order(order, flat), states), sink, flag
+    return _in_input_order(states, order, flat), sink, flag
 
 
-def _in_input_order(order: Int[Array, " q"], flat: int):
-    """A map of states `(blocks, size, ...)`, rows along the curve `order` (and
-    padding), to states `(q, ...)` in the queries' order.
+def _in_input_order(states: PyTree, order: Int[Array, " q"], flat: int) -> PyTree:
+    """States `(blocks, size, ...)`, rows along the curve `order` (then padding), as
+    states `(q, ...)` in the queries' order.
 
     A TPU scatters element by element, so there the rows are gathered through the
     inverse permutation instead (one scatter of `q` positions), as rows are gathered
     elsewhere in this engine."""
     q = order.shape[0]
+
+    def rows(s):
+        return s.reshape(flat, *s.shape[2:])
+
     if not scatters_element_by_element():
 
         def scattered(s):
-            s = s.reshape(flat, *s.shape[2:])[:q]
+            s = rows(s)[:q]
             return jnp.zeros_like(s).at[order].set(s, unique_indices=True)
 
-        return scattered
+        return jax.tree.map(scattered, states)
     positions = jnp.arange(q, dtype=order.dtype)
     inverse = jnp.zeros_like(order).at[order].set(positions, unique_indices=True)
-    return lambda s: gather_clamped(s.reshape(flat, *s.shape[2:]), inverse)
+    return jax.tree.map(lambda s: gather_clamped(rows(s), inverse), states)
 
 
 # The block engine searches at most this many queries at once (a group of blocks
