@@ -364,8 +364,8 @@ def _stage(
         """The states of the `active` blocks after a search within `reach`, and
         which of them outgrew the budget (those take every leaf if `last`)."""
         reach = jnp.where(active[:, None], reach, -jnp.inf)
-        leaves, near_d2, overflowed, counted = _descend(
-            steps, tiles, budget, reach, whole, seen
+        leaves, near_d2, overflowed, counted = _descend_active(
+            steps, tiles, budget, reach, whole, seen, active
         )
         complete = active & (~overflowed | (last & exhaustive))
         emitting = None if sink is None else complete[:, None] & real
@@ -492,12 +492,8 @@ def _fold_chunks(
 
     def body(carry):
         c, states, sink, taken, _, scanned = carry
-        # A chunk none of whose leaves some query reaches (reaches narrow after the
-        # descent lists leaves) adds nothing: its tile is not measured.
-        states, sink = lax.cond(
-            jnp.any(taken >= 0),
-            lambda: tiles.fold(vb, visitor_axis, states, taken, sink, emitting),
-            lambda: (states, sink),
+        states, sink = _fold_active(
+            tiles, vb, visitor_axis, states, taken, sink, emitting
         )
         return c + 1, states, sink, *chunk_at(c + 1, states, scanned)
 
@@ -509,6 +505,77 @@ def _fold_chunks(
         (zero, init, sink, *chunk_at(zero, init, scanned)),
     )
     return states, sink
+
+
+def _fold_active(tiles, vb, visitor_axis, states, taken, sink, emitting):
+    """`tiles.fold(vb, visitor_axis, states, taken, sink, emitting)`, measuring only
+    the tiles of blocks with a leaf in `taken` (`_for_active_blocks`): a chunk none
+    of whose leaves some query reaches (reaches narrow after the descent lists
+    leaves) costs no tile at all, and the last chunks of a search, which few blocks
+    need, a fraction of a full tile."""
+
+    def fold(some, sink):
+        some_taken = jnp.where((some < taken.shape[0])[:, None], _rows(taken, some), -1)
+        return tiles.of_blocks(some).fold(
+            vb if visitor_axis is None else _rows(vb, some),
+            visitor_axis,
+            _rows(states, some),
+            some_taken,
+            sink,
+            None if emitting is None else _rows(emitting, some),
+        )
+
+    active = jnp.any(taken >= 0, axis=1)
+    return _for_active_blocks(active, fold, states, sink)
+
+
+def _for_active_blocks(active: Bool[Array, " blocks"], fn, default, carry):
+    """`fn(rows, carry) -> (outputs, carry)`, the outputs one row per block of
+    `rows`, run for the `active` blocks only: a group of `1 / ACTIVE_GROUPS` of all
+    blocks at a time (`rows` past the last active one: the number of blocks).
+
+    **Returns:** `(outputs, carry)`, the outputs of the active blocks and elsewhere
+    `default`'s, put in place by one row gather (a TPU scatters element by element).
+    """
+    blocks = active.shape[0]
+    index_dtype = jnp.int32
+    group = -(-blocks // ACTIVE_GROUPS)
+    count = jnp.sum(active, dtype=index_dtype)
+    # The active blocks in order, then `blocks` (none).
+    slot = jnp.cumsum(active, dtype=index_dtype) - 1
+    at = jnp.where(active, slot, ACTIVE_GROUPS * group)
+    positions = jnp.arange(blocks, dtype=index_dtype)
+    rows = jnp.full(ACTIVE_GROUPS * group, blocks, index_dtype)
+    rows = rows.at[at].set(positions, mode="drop")
+
+    def one_group(c):
+        g, outputs, carry = c
+        some = lax.dynamic_slice_in_dim(rows, g * group, group)
+        found, carry = fn(some, carry)
+        outputs = jax.tree.map(
+            lambda o, f: lax.dynamic_update_slice_in_dim(
+                o, f.astype(o.dtype), g * group, 0
+            ),
+            outputs,
+            found,
+        )
+        return g + 1, outputs, carry
+
+    empty = jax.tree.map(
+        lambda s: jnp.zeros((ACTIVE_GROUPS * group, *s.shape[1:]), s.dtype), default
+    )
+    start = (jnp.zeros((), index_dtype), empty, carry)
+    _, outputs, carry = lax.while_loop(lambda c: c[0] * group < count, one_group, start)
+    back = _rows(outputs, slot)
+    outputs = jax.tree.map(
+        lambda b, d: jnp.where(_along(active, d), b, d), back, default
+    )
+    return outputs, carry
+
+
+# Work done for some blocks only is done a group of `1 / ACTIVE_GROUPS` of all
+# blocks at a time (see `benchmarks/accelerator.py`, the blobs).
+ACTIVE_GROUPS = 8
 
 
 def _every_within_reach(tiles, reach, scanned, chunk: int):
@@ -592,6 +659,12 @@ class _Tiles(eqx.Module):
         tree, first = steps.tree, steps.first_leaf
         boxes = jnp.concatenate([tree.node_lo, tree.node_hi])
         self.leaf_boxes = boxes[:, first : first + tree.num_leaves].T
+
+    def of_blocks(self, rows: Int[Array, " m"]) -> "_Tiles":
+        """The tiles of the blocks `rows` (clamped into range)."""
+        return eqx.tree_at(
+            lambda t: t.queries, self, gather_clamped(self.queries, rows)
+        )
 
     def row_box_d2(self, rows, nodes: Int[Array, "blocks m"]):
         """`leaf_box_d2` of `nodes` whose boxes are given as rows `(lo, hi)` of
@@ -869,6 +942,31 @@ def _descend(steps: _Steps, tiles: _Tiles, width: int, reach, whole=None, seen=N
     frontier = _padded(frontier, width)
     leaves = jnp.where(frontier.nodes >= 0, frontier.nodes - steps.first_leaf, -1)
     return leaves, frontier.box_d2, frontier.overflowed, frontier.counted
+
+
+def _descend_active(steps, tiles, width, reach, whole, seen, active):
+    """`_descend(steps, tiles, width, reach, whole, seen)` for the `active` blocks
+    (`_for_active_blocks`); the others have no leaves."""
+    blocks, size = reach.shape
+    index_dtype = steps.tree.leaf_indices.dtype
+
+    def descend(some, carry):
+        def rows(a):
+            return None if a is None else _rows(a, some)
+
+        found = _descend(
+            steps, tiles.of_blocks(some), width, rows(reach), rows(whole), rows(seen)
+        )
+        return found, carry
+
+    none = (
+        jnp.full((blocks, width), -1, index_dtype),
+        jnp.full((blocks, width), jnp.inf, tiles.queries.dtype),
+        jnp.zeros(blocks, bool),
+        None if whole is None else jnp.zeros((blocks, size), index_dtype),
+    )
+    found, _ = _for_active_blocks(active, descend, none, None)
+    return found
 
 
 def _padded(frontier: _Frontier, size: int) -> _Frontier:
