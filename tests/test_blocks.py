@@ -136,6 +136,29 @@ def test_hostile_trees_and_queries():
     np.testing.assert_array_equal(blocks[1], np.tile(np.arange(7), (4, 1)))
 
 
+@pytest.mark.parametrize("blocks", [1, 7, 64, 103])
+@pytest.mark.parametrize("share", [0.0, 0.05, 0.5, 1.0])
+def test_work_for_active_blocks_only_lands_in_their_rows(blocks, share):
+    from kdeqx._engine._blocks import _for_active_blocks, ACTIVE_GROUPS
+
+    rng = np.random.default_rng(blocks)
+    active = rng.random(blocks) < share
+    values = rng.standard_normal((blocks, 3)).astype(np.float32)
+    default = rng.standard_normal((blocks, 3)).astype(np.float32)
+
+    def work(rows, calls):
+        # Rows past the last active block are the number of blocks.
+        seen = jnp.where((rows < blocks)[:, None], 2 * jnp.asarray(values)[rows], 0)
+        return seen, calls + 1
+
+    out, calls = jax.jit(_for_active_blocks, static_argnums=1)(
+        jnp.asarray(active), work, jnp.asarray(default), jnp.zeros((), jnp.int32)
+    )
+    np.testing.assert_array_equal(out, np.where(active[:, None], 2 * values, default))
+    group = -(-blocks // ACTIVE_GROUPS)
+    assert calls == -(-active.sum() // group)  # as few groups as hold them
+
+
 def test_smallest_first_in_order():
     from kdeqx._backend._sorting import smallest_first
 
