@@ -91,6 +91,30 @@ def test_vmap_over_trees():
         np.testing.assert_array_equal(indices[b], cKDTree(points[b]).query(x[b], 4)[1])
 
 
+def test_queries_searched_alone_in_groups_that_do_not_divide_them(monkeypatch, request):
+    """Every block outgrows a tiny budget, so every query is searched alone, a group
+    of `q // ALONE_FRACTION` at a time; the last group, cut short, searches the last
+    queries (a slice past the end would move back onto queries searched already)."""
+    from kdeqx._query._radius import _BallCount
+
+    monkeypatch.setattr(_lanes, "_BLOCK_SHAPE", _lanes.BlockShape(4, 2, 4, 2))
+    jax.clear_caches()  # the shape is read when a query is traced
+    request.addfinalizer(jax.clear_caches)
+    rng = np.random.default_rng(9)
+    points = rng.random((600, 3)).astype(np.float32)
+    x = rng.random((200, 3)).astype(np.float32)
+    assert len(x) % (len(x) // _blocks.ALONE_FRACTION) != 0
+    tree = kdeqx.KDTree(points, leaf_size=8, engine="blocks")
+    r = np.float32(0.5)
+    visitor = _BallCount(jnp.asarray(r * r), jnp.asarray(r * r), np.dtype(np.int32))
+    run = jax.jit(lambda t, x: walk_blocks(t, x, visitor, Minkowski(2.0), None, True))
+    _, overflowed = run(tree, x)
+    assert overflowed == len(x) // 4  # every block
+    expected = cKDTree(points).query_ball_point(x, r, return_length=True)
+    counts = jax.jit(lambda t, x: t.count_ball_point(x, r))(tree, x)
+    np.testing.assert_array_equal(counts, expected)
+
+
 @pytest.mark.parametrize(
     "dataset, shape, window, deep",
     [

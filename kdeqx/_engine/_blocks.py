@@ -264,6 +264,9 @@ def _alone(steps, x, visitors, visitor_axis, init, reach, states, redo, shape, s
     group = max(1, q // ALONE_FRACTION)
     index_dtype = steps.tree.leaf_indices.dtype
     waiting = stable_partition(redo, index_dtype)
+    # Padded so that no group's slice runs past the end: `lax.dynamic_slice` would
+    # move it back, onto queries another group searched, and miss the last ones.
+    waiting = jnp.concatenate([waiting, jnp.zeros(group, index_dtype)])
     count = jnp.sum(redo, dtype=index_dtype)
     budget, chunk = (
         ALONE_BUDGET_FACTOR * shape.budget,
