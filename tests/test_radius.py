@@ -44,24 +44,37 @@ def test_count_with_a_scalar_radius_and_single_query():
 
 
 @pytest.mark.parametrize(
-    "dtype, capacity, m",
-    [(dtype, capacity, 40) for dtype in DTYPES for capacity in (12, 100)]
-    + [(np.float64, 1000, 40)]  # beyond n: one dtype (it compiles the largest program)
+    "dtype, capacity, m, engine",
+    [(dtype, capacity, 40, "walk") for dtype in DTYPES for capacity in (12, 100)]
+    # beyond n: one dtype (it compiles the largest program)
+    + [(np.float64, 1000, 40, "walk")]
     # More queries than lanes: the lanes' walk, which keeps the nearest 100 of an
     # overflowing ball by merging two leaves at a time.
-    + [(np.float32, 100, 300)],
+    + [(np.float32, 100, 300, "walk")]
+    # The overflowing balls searched again a few queries at a time, on each engine.
+    + [(np.float32, 100, 300, "walk, in groups"), (np.float32, 100, 300, "blocks")],
 )
-def test_query_ball_point_returns_the_nearest_within_r(dtype, capacity, m):
+def test_query_ball_point_returns_the_nearest_within_r(
+    dtype, capacity, m, engine, monkeypatch, request
+):
     # Capacities beyond 16 collect, then sort (or keep the nearest by bitonic networks
-    # when a query overflows); beyond n, only n.
+    # when a query overflows, only those queries again); beyond n, only n.
+    from kdeqx._query import _radius
+
+    if engine != "walk":
+        monkeypatch.setattr(_radius, "AGAIN_AT_LEAST", 7)
+        jax.clear_caches()  # read when a query is traced
+        request.addfinalizer(jax.clear_caches)
     rng = np.random.default_rng(1)
     points = rng.random((800, 3)).astype(dtype)
     x = rng.random((m, 3)).astype(dtype)
     r = (rng.random(m) * (0.25 if capacity == 12 else 0.7)).astype(dtype)
-    tree = kdeqx.KDTree(points)
+    tree = kdeqx.KDTree(points, engine="blocks" if engine == "blocks" else "walk")
     # As numpy arrays: slicing a JAX array by varying bounds compiles each slice.
     distances, indices, counts = map(np.asarray, tree.query_ball_point(x, r, capacity))
     assert indices.shape == (m, capacity)
+    if engine != "walk":
+        assert np.sum(counts > capacity) > 7  # searched again in several groups
     inside, d = _brute_ball(points.astype(np.float64), x.astype(np.float64), r)
     reference = cKDTree(points).query_ball_point(x, r)
     for q in range(m):

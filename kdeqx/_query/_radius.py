@@ -1,10 +1,16 @@
 """Fixed-radius queries: counting and collecting the points within `r` of each query."""
 
 import equinox as eqx
+import jax
 import jax.lax as lax
 import jax.numpy as jnp
 
-from .._backend import append_in_order, sort_pairs
+from .._backend import (
+    append_in_order,
+    gather_clamped,
+    sort_pairs,
+    stable_partition,
+)
 from .._backend._mesh import split_like_queries, split_over_cpu_devices
 from .._custom_types import Array, Ball, Bool, Float, Int, Queries, Threshold
 from .._engine._base import AbstractSearchTree
@@ -134,12 +140,12 @@ def _nearest_in_ball(
 ):
     """The `capacity` nearest points within `r` of each query (sorted), and the
     counts. Small capacities keep the nearest as the walk goes; large ones collect
-    the points found in `O(found)` and sort them once, and walk again keeping the
-    nearest only if some query found more than `capacity` (pruning beyond the last
-    kept once full, as the k nearest do; the counts are the first walk's)."""
+    the points found in `O(found)` and sort them once, and search the queries
+    that found more than `capacity` again, keeping the nearest (pruning beyond the
+    last kept once full, as the k nearest do; the counts are the first search's)."""
     index_dtype = tree.leaf_indices.dtype
 
-    def collecting(nearest: bool, counting: bool = True):
+    def collecting(nearest: bool, counting: bool = True, x=x, r=r):
         return search(
             tree,
             x,
@@ -158,13 +164,62 @@ def _nearest_in_ball(
     if capacity <= SMALL_K:
         return collecting(nearest=True)
     (d2, indices, counts), far = collecting(nearest=False)
-    collected = (*sort_pairs(d2, indices), counts)
-    states = lax.cond(
-        jnp.any(counts > capacity),
-        lambda: (*collecting(nearest=True, counting=False)[0][:2], counts),
-        lambda: collected,
-    )
-    return states, far
+    collected = sort_pairs(d2, indices)
+
+    def nearest_again(x, r):
+        return collecting(nearest=True, counting=False, x=x, r=r)[0][:2]
+
+    kept = _searched_again(counts > capacity, x, r, nearest_again, collected)
+    return (*kept, counts), far
+
+
+def _searched_again(redo: Bool[Array, "*batch"], x, r, search_again, states):
+    """`states` (leading axes `batch`) where `redo` is set replaced by
+    `search_again(x, r)` of those queries alone (`x` and `r` shaped as
+    `search`'s): `1 / AGAIN_FRACTION` of the queries at a time, but at least
+    `AGAIN_AT_LEAST`, as many times as they take (none where none is set).
+
+    A ball that holds more than its capacity is searched again for the nearest;
+    on clustered points those are a few queries near the dense regions, and the
+    others would be searched again for nothing."""
+    batch = x.shape[:-1]
+    q = redo.size
+    group = min(q, max(AGAIN_AT_LEAST, q // AGAIN_FRACTION))
+    flat_x = x.reshape(q, -1)
+    flat_r = r if jnp.ndim(r) == 0 else jnp.broadcast_to(r, batch).reshape(q)
+    flat = jax.tree.map(lambda s: s.reshape(q, *s.shape[len(batch) :]), states)
+    order = stable_partition(redo.reshape(q), jnp.int32)
+    # Padded: `lax.dynamic_slice` would move a slice past the end back.
+    order = jnp.concatenate([order, jnp.zeros(group, order.dtype)])
+    count = jnp.sum(redo, dtype=jnp.int32)
+
+    def one_group(carry):
+        g, flat = carry
+        slot = g * group + jnp.arange(group, dtype=jnp.int32)
+        rows = lax.dynamic_slice_in_dim(order, g * group, group)
+        found = search_again(
+            gather_clamped(flat_x, rows),
+            flat_r if jnp.ndim(flat_r) == 0 else gather_clamped(flat_r, rows),
+        )
+        keep = jnp.where(slot < count, rows, q)  # q: dropped
+        flat = jax.tree.map(
+            lambda s, f: s.at[keep].set(f, mode="drop"),
+            flat,
+            found,
+        )
+        return g + 1, flat
+
+    start = (jnp.zeros((), jnp.int32), flat)
+    _, flat = lax.while_loop(lambda c: c[0] * group < count, one_group, start)
+    return jax.tree.map(lambda s: s.reshape(*batch, *s.shape[1:]), flat)
+
+
+# Queries searched again are searched `1 / AGAIN_FRACTION` of them at a time (a few
+# cost a fraction of a whole search), but at least `AGAIN_AT_LEAST` (enough to fill
+# the walk's lanes and the block engine's blocks); `benchmarks/accelerator.py`,
+# `query_ball_point` on the blobs.
+AGAIN_FRACTION = 64
+AGAIN_AT_LEAST = 1024
 
 
 @split_over_cpu_devices
