@@ -136,11 +136,15 @@ def test_hostile_trees_and_queries():
     np.testing.assert_array_equal(blocks[1], np.tile(np.arange(7), (4, 1)))
 
 
-@pytest.mark.parametrize("blocks", [1, 7, 64, 103])
+@pytest.mark.parametrize("blocks, at_least", [(1, 1), (7, 1), (103, 1), (103, 64)])
 @pytest.mark.parametrize("share", [0.0, 0.05, 0.5, 1.0])
-def test_work_for_active_blocks_only_lands_in_their_rows(blocks, share):
+def test_work_for_active_blocks_only_lands_in_their_rows(
+    blocks, at_least, share, monkeypatch
+):
+    from kdeqx._engine import _blocks
     from kdeqx._engine._blocks import _for_active_blocks, ACTIVE_GROUPS
 
+    monkeypatch.setattr(_blocks, "ACTIVE_AT_LEAST", at_least)
     rng = np.random.default_rng(blocks)
     active = rng.random(blocks) < share
     values = rng.standard_normal((blocks, 3)).astype(np.float32)
@@ -155,7 +159,7 @@ def test_work_for_active_blocks_only_lands_in_their_rows(blocks, share):
         jnp.asarray(active), work, jnp.asarray(default), jnp.zeros((), jnp.int32)
     )
     np.testing.assert_array_equal(out, np.where(active[:, None], 2 * values, default))
-    group = -(-blocks // ACTIVE_GROUPS)
+    group = min(blocks, max(at_least, -(-blocks // ACTIVE_GROUPS)))
     assert calls == -(-active.sum() // group)  # as few groups as hold them
 
 

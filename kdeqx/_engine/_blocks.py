@@ -535,20 +535,22 @@ def _fold_active(tiles, vb, visitor_axis, states, taken, sink, emitting):
 def _for_active_blocks(active: Bool[Array, " blocks"], fn, default, carry):
     """`fn(rows, carry) -> (outputs, carry)`, the outputs one row per block of
     `rows`, run for the `active` blocks only: a group of `1 / ACTIVE_GROUPS` of all
-    blocks at a time (`rows` past the last active one: the number of blocks).
+    blocks at a time, but at least `ACTIVE_AT_LEAST` (`rows` past the last active
+    one: the number of blocks).
 
     **Returns:** `(outputs, carry)`, the outputs of the active blocks and elsewhere
     `default`'s, put in place by one row gather (a TPU scatters element by element).
     """
     blocks = active.shape[0]
     index_dtype = jnp.int32
-    group = -(-blocks // ACTIVE_GROUPS)
+    group = min(blocks, max(ACTIVE_AT_LEAST, -(-blocks // ACTIVE_GROUPS)))
+    length = -(-blocks // group) * group
     count = jnp.sum(active, dtype=index_dtype)
     # The active blocks in order, then `blocks` (none).
     slot = jnp.cumsum(active, dtype=index_dtype) - 1
-    at = jnp.where(active, slot, ACTIVE_GROUPS * group)
+    at = jnp.where(active, slot, length)
     positions = jnp.arange(blocks, dtype=index_dtype)
-    rows = jnp.full(ACTIVE_GROUPS * group, blocks, index_dtype)
+    rows = jnp.full(length, blocks, index_dtype)
     rows = rows.at[at].set(positions, mode="drop")
 
     def one_group(c):
@@ -564,9 +566,7 @@ def _for_active_blocks(active: Bool[Array, " blocks"], fn, default, carry):
         )
         return g + 1, outputs, carry
 
-    empty = jax.tree.map(
-        lambda s: jnp.zeros((ACTIVE_GROUPS * group, *s.shape[1:]), s.dtype), default
-    )
+    empty = jax.tree.map(lambda s: jnp.zeros((length, *s.shape[1:]), s.dtype), default)
     start = (jnp.zeros((), index_dtype), empty, carry)
     _, outputs, carry = lax.while_loop(lambda c: c[0] * group < count, one_group, start)
     back = _rows(outputs, slot)
@@ -577,8 +577,11 @@ def _for_active_blocks(active: Bool[Array, " blocks"], fn, default, carry):
 
 
 # Work done for some blocks only is done a group of `1 / ACTIVE_GROUPS` of all
-# blocks at a time (see `benchmarks/accelerator.py`, the blobs).
+# blocks at a time (see `benchmarks/accelerator.py`, the blobs), but at least
+# `ACTIVE_AT_LEAST` blocks: a small batch of queries is one group, not a loop of
+# steps too small to fill an accelerator.
 ACTIVE_GROUPS = 8
+ACTIVE_AT_LEAST = 64
 
 
 def _every_within_reach(tiles, reach, scanned, chunk: int):
