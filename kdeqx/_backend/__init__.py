@@ -92,6 +92,7 @@ from ._sorting import (
     enable_x64_locally as enable_x64_locally,
     float32_sort_keys as float32_sort_keys,
     radix_order as radix_order,
+    redone_in_groups as redone_in_groups,
     smallest_first as smallest_first,
     smallest_first_of as smallest_first_of,
     smallest_first_of_reference as smallest_first_of_reference,

@@ -100,6 +100,38 @@ def stable_partition(
     return radix_order((~flags).astype(jnp.uint32), 1, index_dtype)
 
 
+def redone_in_groups(redo: Bool[Array, " q"], group: int, redo_rows, states, carry):
+    """`states` (rows along the first axis) with the rows where `redo` is set
+    replaced, `group` rows at a time and in order, by `redo_rows(rows, valid,
+    carry) -> (found, carry)`, as many groups as they take (none where none is set).
+    In a group past the last row to redo, `valid` is unset and `rows` is 0.
+
+    **Returns:** `(states, carry)`.
+    """
+    q = redo.shape[0]
+    index_dtype = jnp.int32
+    waiting = stable_partition(redo, index_dtype)
+    # Padded so that no group's slice runs past the end: `lax.dynamic_slice` would
+    # move it back, onto rows another group did, and miss the last ones.
+    waiting = jnp.concatenate([waiting, jnp.zeros(group, index_dtype)])
+    count = jnp.sum(redo, dtype=index_dtype)
+
+    def one_group(c):
+        g, states, carry = c
+        valid = g * group + jnp.arange(group, dtype=index_dtype) < count
+        rows = jnp.where(valid, lax.dynamic_slice_in_dim(waiting, g * group, group), 0)
+        found, carry = redo_rows(rows, valid, carry)
+        keep = jnp.where(valid, rows, q)  # q: dropped
+        states = jax.tree.map(
+            lambda s, f: s.at[keep].set(f, mode="drop"), states, found
+        )
+        return g + 1, states, carry
+
+    start = (jnp.zeros((), index_dtype), states, carry)
+    _, states, carry = lax.while_loop(lambda c: c[0] * group < count, one_group, start)
+    return states, carry
+
+
 def sorts_compile_slowly(backend: str | None = None) -> bool:
     """Whether a long sort (or a narrow `top_k`) takes seconds to compile: on a TPU
     (see `benchmarks/accelerator.py`). `backend` defaults to

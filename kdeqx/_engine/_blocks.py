@@ -40,10 +40,10 @@ from .._backend import (
     gather_clamped,
     query_block_shape,
     radix_order,
+    redone_in_groups,
     scatters_element_by_element,
     smallest_first_of,
     sorts_compile_slowly,
-    stable_partition,
 )
 from .._custom_types import Array, Bool, Float, Int, PyTree, UInt
 from ._base import AbstractSearchTree
@@ -260,48 +260,29 @@ def _alone(steps, x, visitors, visitor_axis, init, reach, states, redo, shape, s
     """`states` with those where `redo` is set replaced by a search of each such
     query alone (blocks of one), a group of them at a time; and the `sink` (or
     `None`) with their records appended."""
-    q = x.shape[0]
-    group = max(1, q // ALONE_FRACTION)
-    index_dtype = steps.tree.leaf_indices.dtype
-    waiting = stable_partition(redo, index_dtype)
-    # Padded so that no group's slice runs past the end: `lax.dynamic_slice` would
-    # move it back, onto queries another group searched, and miss the last ones.
-    waiting = jnp.concatenate([waiting, jnp.zeros(group, index_dtype)])
-    count = jnp.sum(redo, dtype=index_dtype)
+    group = max(1, x.shape[0] // ALONE_FRACTION)
     budget, chunk = (
         ALONE_BUDGET_FACTOR * shape.budget,
         ALONE_BUDGET_FACTOR * shape.chunk,
     )
 
-    def body(carry):
-        g, states, sink = carry
-        slot = g * group + jnp.arange(group, dtype=index_dtype)
-        rows = lax.dynamic_slice_in_dim(waiting, g * group, group)
-        rows = jnp.where(slot < count, rows, 0)
-        v = visitors if visitor_axis is None else _rows(visitors, rows)
+    def search_alone(rows, valid, sink):
         found, _, sink = _stage(
             steps,
             gather_clamped(x, rows),
-            v,
+            visitors if visitor_axis is None else _rows(visitors, rows),
             visitor_axis,
             _rows(init, rows),
-            jnp.where((slot < count)[:, None], gather_clamped(reach, rows), -jnp.inf),
+            jnp.where(valid[:, None], gather_clamped(reach, rows), -jnp.inf),
             budget,
             chunk,
             exhaustive=True,
             sink=sink,
-            real=(slot < count)[:, None],
+            real=valid[:, None],
         )
-        keep = jnp.where(slot < count, rows, q)  # q: dropped
-        states = jax.tree.map(
-            lambda s, f: s.at[keep].set(f, mode="drop"), states, found
-        )
-        return g + 1, states, sink
+        return found, sink
 
-    zero = jnp.zeros((), index_dtype)
-    start = (zero, states, sink)
-    _, states, sink = lax.while_loop(lambda c: c[0] * group < count, body, start)
-    return states, sink
+    return redone_in_groups(redo, group, search_alone, states, sink)
 
 
 # Queries of blocks that overflowed are searched alone, `1 / ALONE_FRACTION` of all

@@ -2,14 +2,13 @@
 
 import equinox as eqx
 import jax
-import jax.lax as lax
 import jax.numpy as jnp
 
 from .._backend import (
     append_in_order,
     gather_clamped,
+    redone_in_groups,
     sort_pairs,
-    stable_partition,
 )
 from .._backend._mesh import split_like_queries, split_over_cpu_devices
 from .._custom_types import Array, Ball, Bool, Float, Int, Queries, Threshold
@@ -188,29 +187,12 @@ def _searched_again(redo: Bool[Array, "*batch"], x, r, search_again, states):
     flat_x = x.reshape(q, -1)
     flat_r = r if jnp.ndim(r) == 0 else jnp.broadcast_to(r, batch).reshape(q)
     flat = jax.tree.map(lambda s: s.reshape(q, *s.shape[len(batch) :]), states)
-    order = stable_partition(redo.reshape(q), jnp.int32)
-    # Padded: `lax.dynamic_slice` would move a slice past the end back.
-    order = jnp.concatenate([order, jnp.zeros(group, order.dtype)])
-    count = jnp.sum(redo, dtype=jnp.int32)
 
-    def one_group(carry):
-        g, flat = carry
-        slot = g * group + jnp.arange(group, dtype=jnp.int32)
-        rows = lax.dynamic_slice_in_dim(order, g * group, group)
-        found = search_again(
-            gather_clamped(flat_x, rows),
-            flat_r if jnp.ndim(flat_r) == 0 else gather_clamped(flat_r, rows),
-        )
-        keep = jnp.where(slot < count, rows, q)  # q: dropped
-        flat = jax.tree.map(
-            lambda s, f: s.at[keep].set(f, mode="drop"),
-            flat,
-            found,
-        )
-        return g + 1, flat
+    def search_rows(rows, valid, carry):
+        some_r = flat_r if jnp.ndim(flat_r) == 0 else gather_clamped(flat_r, rows)
+        return search_again(gather_clamped(flat_x, rows), some_r), carry
 
-    start = (jnp.zeros((), jnp.int32), flat)
-    _, flat = lax.while_loop(lambda c: c[0] * group < count, one_group, start)
+    flat, _ = redone_in_groups(redo.reshape(q), group, search_rows, flat, None)
     return jax.tree.map(lambda s: s.reshape(*batch, *s.shape[1:]), flat)
 
 
