@@ -142,6 +142,72 @@ def test_radius_graph_on_blocks_is_every_image_within_r(case, variant):
     check_graph(graph, x, cell, reference, 20000)
 
 
+def test_images_beyond_r_of_every_point_are_not_searched(monkeypatch):
+    """In a periodic cell most images of most points lie beyond `r` of the whole
+    box: the block engine searches only the others, and still finds every edge."""
+    from kdeqx._graph import _graph
+
+    searched = []
+    image_queries = _graph._image_queries
+
+    def recorded(*args):
+        x, reach = image_queries(*args)
+        jax.debug.callback(lambda r: searched.append(int((r >= 0).sum())), reach)
+        return x, reach
+
+    monkeypatch.setattr(_graph, "_image_queries", recorded)
+    rng = np.random.default_rng(21)
+    n, side, r = 800, 6.0, 0.9
+    x = (rng.random((n, 3)) * side).astype(np.float32)
+    cell = np.full(3, side, np.float32)
+    graph = kdeqx.radius_graph(x, r, 40000, cell=cell, engine="blocks")
+    reference = reference_radius_graph(x, r, cell, reach=1)
+    check_graph(graph, x, cell, reference, 40000)
+    # 27 images of each point; those within `r` of the box: about (1 + 2 r / side)^3
+    # of a point's, here 2.2. The points are padded to their bucket, each padding
+    # point a segment of its own, whose first image alone is searched.
+    padding = kdeqx.bucket(n) - n
+    assert len(searched) == 1, searched
+    assert 2 * n < searched[0] - padding < 2.4 * n, searched
+
+
+@pytest.mark.parametrize("offset", [0.0, 1e4, 3e6])
+def test_only_images_surely_beyond_r_of_the_box_are_dropped(offset):
+    """Exact at any magnitude: an image dropped has no point within `r` even in
+    float32's rounding, however far the coordinates lie from the origin."""
+    from kdeqx._graph._graph import _surely_beyond
+
+    rng = np.random.default_rng(22)
+    points = (offset + rng.random((300, 3)) * 2).astype(np.float32)
+    lo, hi = points.min(axis=0), points.max(axis=0)
+    r = np.float32(0.25)
+    # Queries straight out from the box's faces: from the point on a face (its
+    # nearest, at about the distance moved, at r within rounding) and from others.
+    axis = rng.integers(0, 3, 4000)
+    upper = rng.random(4000) < 0.5
+    extreme = np.where(upper, points.argmax(axis=0)[axis], points.argmin(axis=0)[axis])
+    others = points[rng.integers(0, 300, 4000)]
+    start = np.where((np.arange(4000) % 2 == 0)[:, None], points[extreme], others)
+    start[np.arange(4000), axis] = np.where(upper, hi[axis], lo[axis])
+    length = rng.uniform(0.9, 1.1, 4000) * r
+    x = start.astype(np.float64)
+    x[np.arange(4000), axis] += np.where(upper, length, -length)
+    x = x.astype(np.float32)
+    dropped = _surely_beyond(jnp.asarray(x), jnp.asarray(lo), jnp.asarray(hi), r)
+    dropped = np.asarray(dropped)
+    for rounded in (np.float32, np.float64):
+        gaps = x[:, None, :].astype(rounded) - points[None].astype(rounded)
+        nearest = np.sqrt((gaps**2).sum(-1)).min(axis=1)
+        within = nearest <= r
+        assert within.sum() > 100 and not np.any(dropped & within), offset
+    # And what lies beyond r by more than float32's spacing is dropped.
+    box_gap = np.maximum(np.maximum(lo - x, x - hi), 0).astype(np.float64)
+    spacing = np.spacing(np.float32(offset + 2))
+    far = np.sqrt((box_gap**2).sum(-1)) > 1.01 * r + 8 * spacing
+    if offset < 1e6:  # float32's spacing there is far below `r`
+        assert far.sum() > 1000 and np.all(dropped[far])
+
+
 def test_radius_graph_and_neighbor_list_on_blocks_equal_the_walk():
     """A cell per system (triclinic and orthorhombic, one not periodic along an
     axis), as one graph, a capacity that overflows, and a neighbour list followed

@@ -778,7 +778,7 @@ def _searched(
     system = system_of(cell, segment)
     if tree.engine == "blocks":
         filled = _emitted_images(
-            tree, placed, table, system, r, capacity, self_loops, half
+            tree, placed, table, segment, system, r, capacity, self_loops, half
         )
         return tree, placed, filled
     blocks = _image_blocks(tree, placed, table, system)
@@ -787,19 +787,27 @@ def _searched(
 
 
 def _emitted_images(
-    tree: KDTree, placed: _Placed, table, system, r, capacity: int, self_loops, half
+    tree: KDTree,
+    placed: _Placed,
+    table,
+    segment,
+    system,
+    r,
+    capacity: int,
+    self_loops,
+    half,
 ) -> Sink:
     """The sink of `_PointEdges` records from the block engine, each image of each
-    point a query. A sender image sits at `y - offset`; an image that no point is
-    within `r` of, or that moves along an axis its system is not periodic along,
-    finds nothing, so only the others are searched: gathered first, `n` queries a
-    step of a loop (one search compiled; in a periodic cell most images of most
-    points lie beyond `r` of every point, and a step or two take the rest)."""
+    point a query. A sender image sits at `y - offset`; an image beyond `r` of its
+    segment's bounding box, or that moves along an axis its system is not periodic
+    along, finds nothing, so only the others are searched: gathered first, `n`
+    queries a step of a loop (one search compiled; in a periodic cell most images of
+    most points lie beyond `r` of every point, and a step or two take the rest)."""
     n = tree.n
     images = len(table)
     index_dtype = tree.leaf_indices.dtype
     r2 = search_threshold(tree, r, EUCLIDEAN)
-    x, reach = _image_queries(tree, placed, table, system, r, r2)
+    x, reach = _image_queries(tree, placed, table, segment, system, r, r2)
     row_dtype = index_dtype_for(images * n + 1)
     near = stable_partition(reach >= 0, row_dtype)
     near = jnp.concatenate([near, jnp.full(n - 1, images * n, row_dtype)])
@@ -841,7 +849,7 @@ def _emitted_images(
     return sink
 
 
-def _image_queries(tree: KDTree, placed: _Placed, table, system, r, r2):
+def _image_queries(tree: KDTree, placed: _Placed, table, segment, system, r, r2):
     """Every image of every point, `(images * n, e)`, image by image, and its
     reach: `r2`, or `-1` where it finds nothing."""
     if system is None:  # one cell: `(images, 1, e)` offsets
@@ -852,11 +860,45 @@ def _image_queries(tree: KDTree, placed: _Placed, table, system, r, r2):
     reach = jnp.broadcast_to(r2, x.shape[:2])
     if system is not None:
         reach = jnp.where(_reachable(table, placed.periodic[system]), reach, -1)
+    # An image beyond `r` of the box of its segment's points pairs with none of
+    # them: most images of most points in a periodic cell, and every image but the
+    # first of a padding point (a segment of its own, see `pad_points_to_bucket`).
+    lo, hi = _segment_boxes(placed.points, segment)
+    reach = jnp.where(_surely_beyond(x, lo, hi, r), -1, reach)
     x = x.reshape(-1, x.shape[-1])
     # As in `query_pairs`: a query beyond `r` of the whole tree finds nothing.
     far = far_queries(tree, x, EUCLIDEAN)
     reach = jnp.where(far.beyond(far.distance <= r), -1, reach.reshape(-1))
     return x, reach
+
+
+def _segment_boxes(
+    points: Float[Array, "n e"], segment: Int[Array, " n"] | None
+) -> tuple[Float[Array, "#n e"], Float[Array, "#n e"]]:
+    """The bounding box of each point's segment: of all the points where there is
+    one segment. Segment ids more than `n - 1` past the lowest share one box, which
+    holds theirs (ids need not be dense)."""
+    if segment is None:
+        return jnp.min(points, 0, keepdims=True), jnp.max(points, 0, keepdims=True)
+    n = points.shape[0]
+    ids = jnp.minimum(segment - jnp.min(segment), n - 1)
+    lo = jax.ops.segment_min(points, ids, num_segments=n)
+    hi = jax.ops.segment_max(points, ids, num_segments=n)
+    return lo[ids], hi[ids]
+
+
+def _surely_beyond(
+    x: Float[Array, "*m e"], lo: Float[Array, "*#m e"], hi: Float[Array, "*#m e"], r
+) -> Bool[Array, "*m"]:
+    """Whether each `x` lies beyond `r` of the box `[lo, hi]` by more than rounding:
+    its gaps to the box, less a few units in the last place of the coordinates,
+    still exceed `r` with a relative margin, so no point in the box is within `r` of
+    it however the search rounds its distances."""
+    eps = jnp.finfo(x.dtype).eps
+    magnitude = jnp.maximum(jnp.abs(x), jnp.maximum(jnp.abs(lo), jnp.abs(hi)))
+    gaps = jnp.maximum(lo - x, x - hi) - 4 * eps * magnitude
+    gaps = jnp.maximum(gaps, 0)
+    return jnp.sum(gaps * gaps, axis=-1) > (r * r) * (1 + 64 * eps)
 
 
 def _image_blocks(tree: KDTree, placed: _Placed, table, system) -> Block:
