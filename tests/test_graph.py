@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy.spatial import cKDTree
 
 import kdeqx
 
@@ -183,6 +184,33 @@ def test_knn_graph_is_each_points_k_nearest_images(case):
         graph = kdeqx.knn_graph(x, k, cell=cell, pbc=pbc, self_loops=self_loops)
         reference = reference_knn_graph(x, k, cell, pbc, self_loops=self_loops)
         check_graph(graph, x, cell, reference, 30 * k)
+
+
+def test_knn_graph_searches_only_images_within_the_kth_distance(monkeypatch):
+    """Each image beyond a point's k-th nearest so far of every point is not
+    searched: in a periodic cube the points near the faces that image crosses.
+    The graph is still scipy's periodic k nearest."""
+    from kdeqx._graph import _graph
+
+    searched = []
+    surely_beyond = _graph._surely_beyond
+
+    def recorded(x, lo, hi, r):
+        beyond = surely_beyond(x, lo, hi, r)
+        jax.debug.callback(lambda b: searched.append(int((~b).sum())), beyond)
+        return beyond
+
+    monkeypatch.setattr(_graph, "_surely_beyond", recorded)
+    rng = np.random.default_rng(31)
+    n, k = 2000, 6
+    x = rng.random((n, 3)).astype(np.float32)
+    graph = kdeqx.knn_graph(x, k, cell=np.ones(3, np.float32))
+    _, want = cKDTree(x.astype(np.float64), boxsize=1.0).query(x, k + 1)
+    got = np.sort(np.asarray(graph.receivers).reshape(n, k), axis=1)
+    np.testing.assert_array_equal(got, np.sort(want[:, 1:], axis=1))
+    # 26 other images; a point's k-th distance here is about 0.09, so each face's
+    # image takes about 9 % of the points, and the edges' and corners' a few.
+    assert len(searched) == 26 and sum(searched) < 0.8 * n, searched
 
 
 @pytest.mark.x64

@@ -1049,17 +1049,20 @@ def _knn_graph(
     s_own = jnp.full(j_own.shape, centre, jnp.int32)
     own = jnp.arange(n, dtype=j_own.dtype)[:, None]
 
-    def merged(best, candidates):
-        """The `wanted` best of both by `(distance, receiver, image)`; the
-        point itself, other segments' points and missing ones at `(inf, n)`."""
+    def merged(best, candidates, rows):
+        """The `wanted` best of both by `(distance, receiver, image)` for the points
+        `rows`; the point itself, other segments' points and missing ones at
+        `(inf, n)`."""
         distances, receivers, images = (
             jnp.concatenate([b, c], axis=1) for b, c in zip(best, candidates)
         )
         unwanted = receivers >= n
         if not self_loops:
-            unwanted = unwanted | ((receivers == own) & (images == centre))
+            unwanted = unwanted | ((receivers == rows[:, None]) & (images == centre))
         if segment is not None:
-            unwanted = unwanted | (rows_at(segment, receivers) != segment[:, None])
+            unwanted = unwanted | (
+                rows_at(segment, receivers) != rows_at(segment, rows)[:, None]
+            )
         distances = jnp.where(unwanted, jnp.inf, distances)
         receivers = jnp.where(unwanted, n, receivers)
         sorted_ = lax.sort((distances, receivers, images), dimension=1, num_keys=3)
@@ -1070,25 +1073,60 @@ def _knn_graph(
         jnp.zeros((n, 0), j_own.dtype),
         jnp.zeros((n, 0), jnp.int32),
     )
-    best = merged(none, (d_own, j_own, s_own))
+    everyone = jnp.arange(n, dtype=j_own.dtype)
+    best = merged(none, (d_own, j_own, s_own), everyone)
+    lo, hi = _segment_boxes(placed.points, segment)
+    chunk = _image_chunk(n)
 
     def with_image(s, best):
-        bound = jnp.nextafter(best[0][:, -1], jnp.inf)  # ties at the k-th enter
+        """`best` with image `s` of the points searched: only those whose image
+        may lie within their bound of their segment's points, `chunk` at a time
+        (in a periodic cell, the few near the faces the image crosses)."""
+        # The k-th best so far (the point itself, unshifted, is never one of them;
+        # ties at the k-th enter).
+        bound = jnp.nextafter(best[0][:, k - 1], jnp.inf)
         shift = jnp.asarray(table)[s][None]
         if system is None:
             x = placed.points - _offsets(shift, placed.lattice[0])[0]
-            distances, receivers = _nearest(tree, x, bound, wanted)
+            reachable = True
         else:
             # Each point's own system's offset; an offset along an axis its system
             # is not periodic along finds nothing.
             x = placed.points - _offsets(shift, placed.lattice[system])[0]
-            reachable = _reachable(shift, placed.periodic[system])[0][:, None]
-            bound = jnp.where(reachable[:, 0], bound, 0)
-            distances, receivers = _nearest(tree, x, bound, wanted)
-            distances = jnp.where(reachable, distances, jnp.inf)
-            receivers = jnp.where(reachable, receivers, n)
-        images = jnp.full((n, wanted), s, jnp.int32)
-        return merged(best, (distances, receivers, images))
+            reachable = _reachable(shift, placed.periodic[system])[0]
+        needed = reachable & ~_surely_beyond(x, lo, hi, bound)
+        # How many points up to each are needed: the `i`-th needed point is the
+        # first where it reaches `i + 1` (a binary search; no sort, no scatter).
+        up_to = jnp.cumsum(needed, dtype=j_own.dtype)
+        count = up_to[-1]
+        place = up_to - 1
+
+        def one_chunk(carry):
+            c, best = carry
+            first = c * chunk
+            wanted_places = first + jnp.arange(chunk, dtype=j_own.dtype)
+            valid = wanted_places < count
+            rows = jnp.searchsorted(up_to, wanted_places + 1).astype(j_own.dtype)
+            rows = jnp.where(valid, rows, 0)
+            bounds = jnp.where(valid, rows_at(bound, rows), 0)
+            distances, receivers = _nearest(tree, rows_at(x, rows), bounds, wanted)
+            images = jnp.full((chunk, wanted), s, jnp.int32)
+            found = merged(
+                tuple(rows_at(b, rows) for b in best),
+                (distances, receivers, images),
+                rows,
+            )
+            # Put back by a gather of each point's row of the chunk (no scatter).
+            mine = needed & (place >= first) & (place < first + chunk)
+            at = jnp.clip(place - first, 0, chunk - 1)
+            best = tuple(
+                jnp.where(mine[:, None], rows_at(f, at), b) for f, b in zip(found, best)
+            )
+            return c + 1, best
+
+        start = (jnp.zeros((), j_own.dtype), best)
+        _, best = lax.while_loop(lambda c: c[0] * chunk < count, one_chunk, start)
+        return best
 
     others = [s for s in range(len(table)) if s != centre]
     if others:
@@ -1114,6 +1152,17 @@ def _knn_graph(
     return checked_reach(
         graph, cell, counts, farthest, "A point's k-th neighbour", system
     )
+
+
+def _image_chunk(n: int) -> int:
+    """How many points' images a `knn_graph` searches at once: a sixteenth of the
+    points but at least 1,024, so that the points near one face of a periodic cell
+    are one search, and those near an edge or a corner a small one."""
+    return min(n, max(IMAGE_CHUNK_AT_LEAST, -(-n // IMAGE_CHUNK_FRACTION)))
+
+
+IMAGE_CHUNK_AT_LEAST = 1024
+IMAGE_CHUNK_FRACTION = 16
 
 
 def _nearest(tree: KDTree, x, bound, wanted: int):
