@@ -235,6 +235,16 @@ def test_append_in_order_by_reductions_is_the_scatter(count):
             np.testing.assert_array_equal(a, expected)
 
 
+@pytest.mark.parametrize("density", [0.0, 0.03, 0.5, 1.0])
+def test_set_positions_are_numpys_nonzero(density):
+    flags = np.random.default_rng(3).random(5000) < density
+    running = jnp.cumsum(jnp.asarray(flags), dtype=jnp.int32)
+    places = jnp.arange(6000, dtype=jnp.int32)  # past the last set flag too
+    want = np.full(6000, 5000)
+    want[: flags.sum()] = np.flatnonzero(flags)
+    np.testing.assert_array_equal(_backend.set_positions(running, places), want)
+
+
 def test_gather_clamped_clamps_out_of_range_indices():
     array = jnp.arange(10.0).reshape(5, 2)
     index = jnp.asarray([-3, -1, 0, 2, 4, 5, 99], jnp.int32)

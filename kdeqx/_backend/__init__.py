@@ -93,6 +93,7 @@ from ._sorting import (
     float32_sort_keys as float32_sort_keys,
     radix_order as radix_order,
     redone_in_groups as redone_in_groups,
+    set_positions as set_positions,
     smallest_first as smallest_first,
     smallest_first_of as smallest_first_of,
     smallest_first_of_reference as smallest_first_of_reference,

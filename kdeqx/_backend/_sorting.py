@@ -100,6 +100,17 @@ def stable_partition(
     return radix_order((~flags).astype(jnp.uint32), 1, index_dtype)
 
 
+def set_positions(
+    running: Int[Array, " q"], places: Int[Array, "*m"]
+) -> Int[Array, "*m"]:
+    """The positions of the set flags numbered `places` (from 0, in order), `q`
+    past the last, given their running count `running = cumsum(flags)`: a binary
+    search each, with no sort and no scatter, for taking a few of many flags a
+    batch at a time."""
+    found = jnp.searchsorted(running, places + 1, side="left", method="scan")
+    return found.astype(places.dtype)
+
+
 def redone_in_groups(redo: Bool[Array, " q"], group: int, redo_rows, states, carry):
     """`states` (rows along the first axis) with the rows where `redo` is set
     replaced, `group` rows at a time and in order, by `redo_rows(rows, valid,

@@ -25,9 +25,9 @@ import numpy as np
 from .._backend import (
     argsort_keys,
     outside_any_trace,
+    set_positions,
     sort_edges,
     sort_edges_in_rows,
-    stable_partition,
 )
 from .._backend._buckets import bucket, first_rows, pad_rows, to_device
 from .._custom_types import Array, ArrayLike, Bool, Float, Int, PyTree
@@ -800,18 +800,18 @@ def _emitted_images(
     """The sink of `_PointEdges` records from the block engine, each image of each
     point a query. A sender image sits at `y - offset`; an image beyond `r` of its
     segment's bounding box, or that moves along an axis its system is not periodic
-    along, finds nothing, so only the others are searched: gathered first, `n`
-    queries a step of a loop (one search compiled; in a periodic cell most images of
-    most points lie beyond `r` of every point, and a step or two take the rest)."""
+    along, finds nothing, so only the others are searched, `n` queries a step of a
+    loop, each step's found by `set_positions` (one search compiled; in a periodic
+    cell most images of most points lie beyond `r` of every point, and a step or two
+    take the rest)."""
     n = tree.n
     images = len(table)
     index_dtype = tree.leaf_indices.dtype
     r2 = search_threshold(tree, r, EUCLIDEAN)
     x, reach = _image_queries(tree, placed, table, segment, system, r, r2)
     row_dtype = index_dtype_for(images * n + 1)
-    near = stable_partition(reach >= 0, row_dtype)
-    near = jnp.concatenate([near, jnp.full(n - 1, images * n, row_dtype)])
-    steps = -(-jnp.sum(reach >= 0, dtype=row_dtype) // n)
+    running = jnp.cumsum(reach >= 0, dtype=row_dtype)
+    steps = -(-running[-1] // n)
     zero = jnp.asarray(~table.any(axis=1))
     positive = jnp.asarray(first_nonzero_positive(table))
     sink = Sink(
@@ -825,7 +825,7 @@ def _emitted_images(
 
     def one_step(carry):
         step, sink = carry
-        rows = lax.dynamic_slice_in_dim(near, step * n, n)
+        rows = set_positions(running, step * n + jnp.arange(n, dtype=row_dtype))
         image = (rows // n).astype(jnp.int32)
         sender = (rows % n).astype(index_dtype)
         # (rows past the last query: the first query's, finding nothing)
@@ -1095,19 +1095,15 @@ def _knn_graph(
             x = placed.points - _offsets(shift, placed.lattice[system])[0]
             reachable = _reachable(shift, placed.periodic[system])[0]
         needed = reachable & ~_surely_beyond(x, lo, hi, bound)
-        # How many points up to each are needed: the `i`-th needed point is the
-        # first where it reaches `i + 1` (a binary search; no sort, no scatter).
-        up_to = jnp.cumsum(needed, dtype=j_own.dtype)
-        count = up_to[-1]
-        place = up_to - 1
+        running = jnp.cumsum(needed, dtype=j_own.dtype)
+        count, place = running[-1], running - 1
 
         def one_chunk(carry):
             c, best = carry
             first = c * chunk
             wanted_places = first + jnp.arange(chunk, dtype=j_own.dtype)
             valid = wanted_places < count
-            rows = jnp.searchsorted(up_to, wanted_places + 1).astype(j_own.dtype)
-            rows = jnp.where(valid, rows, 0)
+            rows = jnp.where(valid, set_positions(running, wanted_places), 0)
             bounds = jnp.where(valid, rows_at(bound, rows), 0)
             distances, receivers = _nearest(tree, rows_at(x, rows), bounds, wanted)
             images = jnp.full((chunk, wanted), s, jnp.int32)
