@@ -1152,12 +1152,13 @@ def _knn_graph(
 
 def _image_chunk(n: int) -> int:
     """How many points' images a `knn_graph` searches at once: a sixteenth of the
-    points but at least 1,024, so that the points near one face of a periodic cell
-    are one search, and those near an edge or a corner a small one."""
+    points, so that the points near one face of a periodic cell are one search, and
+    those near an edge or a corner a small one; but more than the walk's lanes, so
+    that the search is the same program for every `n` (`tests/test_compile.py`)."""
     return min(n, max(IMAGE_CHUNK_AT_LEAST, -(-n // IMAGE_CHUNK_FRACTION)))
 
 
-IMAGE_CHUNK_AT_LEAST = 1024
+IMAGE_CHUNK_AT_LEAST = 2048
 IMAGE_CHUNK_FRACTION = 16
 
 
