@@ -214,6 +214,20 @@ def test_knn_graph_searches_only_images_within_the_kth_distance(monkeypatch):
 
 
 @pytest.mark.x64
+@pytest.mark.parametrize("chunk", [1, 7])
+def test_knn_graph_images_in_chunks_that_split_a_points_images(monkeypatch, chunk):
+    """A chunk of image queries may end between two images of one point: its best
+    is then merged in twice, and the graph is still every point's k nearest."""
+    from kdeqx._graph import _graph
+
+    monkeypatch.setattr(_graph, "_image_chunk", lambda n: chunk)
+    x = points_in_and_around(6, 25)
+    cell = CASES["triclinic"]["cell"]
+    graph = kdeqx.knn_graph(x, 9, cell=cell)
+    check_graph(graph, x, cell, reference_knn_graph(x, 9, cell, (True,) * 3), 25 * 9)
+
+
+@pytest.mark.x64
 def test_knn_graph_of_a_batch_with_a_segment_short_of_k():
     rng = np.random.default_rng(5)
     x = rng.uniform(0, 3, (30, 3))

@@ -1049,20 +1049,17 @@ def _knn_graph(
     s_own = jnp.full(j_own.shape, centre, jnp.int32)
     own = jnp.arange(n, dtype=j_own.dtype)[:, None]
 
-    def merged(best, candidates, rows):
-        """The `wanted` best of both by `(distance, receiver, image)` for the points
-        `rows`; the point itself, other segments' points and missing ones at
-        `(inf, n)`."""
+    def merged(best, candidates):
+        """The `wanted` best of both by `(distance, receiver, image)`; the
+        point itself, other segments' points and missing ones at `(inf, n)`."""
         distances, receivers, images = (
             jnp.concatenate([b, c], axis=1) for b, c in zip(best, candidates)
         )
         unwanted = receivers >= n
         if not self_loops:
-            unwanted = unwanted | ((receivers == rows[:, None]) & (images == centre))
+            unwanted = unwanted | ((receivers == own) & (images == centre))
         if segment is not None:
-            unwanted = unwanted | (
-                rows_at(segment, receivers) != rows_at(segment, rows)[:, None]
-            )
+            unwanted = unwanted | (rows_at(segment, receivers) != segment[:, None])
         distances = jnp.where(unwanted, jnp.inf, distances)
         receivers = jnp.where(unwanted, n, receivers)
         sorted_ = lax.sort((distances, receivers, images), dimension=1, num_keys=3)
@@ -1073,64 +1070,11 @@ def _knn_graph(
         jnp.zeros((n, 0), j_own.dtype),
         jnp.zeros((n, 0), jnp.int32),
     )
-    everyone = jnp.arange(n, dtype=j_own.dtype)
-    best = merged(none, (d_own, j_own, s_own), everyone)
-    lo, hi = _segment_boxes(placed.points, segment)
-    chunk = _image_chunk(n)
-
-    def with_image(s, best):
-        """`best` with image `s` of the points searched: only those whose image
-        may lie within their bound of their segment's points, `chunk` at a time
-        (in a periodic cell, the few near the faces the image crosses)."""
-        # The k-th best so far (the point itself, unshifted, is never one of them;
-        # ties at the k-th enter).
-        bound = jnp.nextafter(best[0][:, k - 1], jnp.inf)
-        shift = jnp.asarray(table)[s][None]
-        if system is None:
-            x = placed.points - _offsets(shift, placed.lattice[0])[0]
-            reachable = True
-        else:
-            # Each point's own system's offset; an offset along an axis its system
-            # is not periodic along finds nothing.
-            x = placed.points - _offsets(shift, placed.lattice[system])[0]
-            reachable = _reachable(shift, placed.periodic[system])[0]
-        needed = reachable & ~_surely_beyond(x, lo, hi, bound)
-        running = jnp.cumsum(needed, dtype=j_own.dtype)
-        count, place = running[-1], running - 1
-
-        def one_chunk(carry):
-            c, best = carry
-            first = c * chunk
-            wanted_places = first + jnp.arange(chunk, dtype=j_own.dtype)
-            valid = wanted_places < count
-            rows = jnp.where(valid, set_positions(running, wanted_places), 0)
-            bounds = jnp.where(valid, rows_at(bound, rows), 0)
-            distances, receivers = _nearest(tree, rows_at(x, rows), bounds, wanted)
-            images = jnp.full((chunk, wanted), s, jnp.int32)
-            found = merged(
-                tuple(rows_at(b, rows) for b in best),
-                (distances, receivers, images),
-                rows,
-            )
-            # Put back by a gather of each point's row of the chunk (no scatter).
-            mine = needed & (place >= first) & (place < first + chunk)
-            at = jnp.clip(place - first, 0, chunk - 1)
-            best = tuple(
-                jnp.where(mine[:, None], rows_at(f, at), b) for f, b in zip(found, best)
-            )
-            return c + 1, best
-
-        start = (jnp.zeros((), j_own.dtype), best)
-        _, best = lax.while_loop(lambda c: c[0] * chunk < count, one_chunk, start)
-        return best
-
-    others = [s for s in range(len(table)) if s != centre]
-    if others:
-        best = lax.fori_loop(
-            0,
-            len(others),
-            lambda t, b: with_image(jnp.asarray(others)[t], b),
-            best,
+    best = merged(none, (d_own, j_own, s_own))
+    others = np.asarray([s for s in range(len(table)) if s != centre], np.int32)
+    if len(others):
+        best = _with_other_images(
+            tree, placed, table, others, segment, system, best, k, wanted
         )
     distances, receivers, images = (a[:, :k] for a in best)
     farthest = distances[:, -1]
@@ -1150,11 +1094,115 @@ def _knn_graph(
     )
 
 
+def _with_other_images(
+    tree: KDTree, placed: _Placed, table, others, segment, system, best, k, wanted
+):
+    """`best`, the `wanted` nearest `(distance, receiver, image)` of each point, with
+    the images `others` searched too: only those images of points that may lie
+    within the point's k-th distance of its segment's box (in a periodic cell, the
+    points near the faces an image crosses), as one list, point by point, `chunk` at
+    a time. A chunk's candidates and the best of its points are merged by one sort
+    keyed by the point; a point whose images span two chunks merges twice."""
+    n = tree.n
+    index_dtype = best[1].dtype
+    count_of = len(others)
+    points, dtype = placed.points, placed.points.dtype
+    shifts = jnp.asarray(table, dtype)[jnp.asarray(others)]  # (M, d)
+
+    def offsets(image: Int[Array, " m"], rows: Int[Array, " m"]) -> Array:
+        """The offset of image `image[i]` (of `others`) of point `rows[i]`."""
+        lattice = placed.lattice[0] if system is None else placed.lattice[system][rows]
+        shift = shifts[image]
+        terms = [shift[:, b, None] * lattice[..., b, :] for b in range(table.shape[1])]
+        return sum(terms[1:], terms[0])
+
+    def reachable(image: Int[Array, " m"], rows: Int[Array, " m"]) -> Array:
+        if system is None:
+            return jnp.ones(rows.shape, bool)
+        still = shifts[image] == 0
+        return jnp.all(placed.periodic[system][rows] | still, axis=-1)
+
+    # The k-th best so far (the point itself, unshifted, is never one of them; ties
+    # at the k-th enter).
+    bound = jnp.nextafter(best[0][:, k - 1], jnp.inf)
+    lo, hi = _segment_boxes(points, segment)
+    everyone = jnp.arange(n, dtype=index_dtype)
+
+    def needed_of(image):
+        image = jnp.full(n, image, jnp.int32)
+        x = points - offsets(image, everyone)
+        return reachable(image, everyone) & ~_surely_beyond(x, lo, hi, bound)
+
+    needed = lax.map(needed_of, jnp.arange(count_of, dtype=jnp.int32))  # (M, n)
+    per_point = jnp.sum(needed, axis=0, dtype=index_dtype)
+    running = jnp.cumsum(per_point, dtype=index_dtype)
+    total, first_place = running[-1], running - per_point
+    chunk = _image_chunk(n)
+    columns = wanted
+
+    def one_chunk(carry):
+        c, best = carry
+        start = c * chunk
+        places = start + jnp.arange(chunk, dtype=index_dtype)
+        valid = places < total
+        # The point of each place, and which of its needed images.
+        rows = jnp.where(valid, set_positions(running, places), 0)
+        nth = places - rows_at(first_place, rows)
+        seen = jnp.cumsum(rows_at(needed.T, rows), axis=1, dtype=index_dtype)
+        image = jnp.sum(seen <= nth[:, None], axis=1, dtype=jnp.int32)
+        image = jnp.minimum(image, count_of - 1)
+        x = rows_at(points, rows) - offsets(image, rows)
+        bounds = jnp.where(valid, rows_at(bound, rows), 0)
+        distances, receivers = _nearest(tree, x, bounds, columns)
+        images = jnp.broadcast_to(jnp.asarray(others)[image][:, None], receivers.shape)
+        # Each point's best joins its first row of the chunk.
+        index = jnp.arange(chunk)
+        first = valid & ((index == 0) | (rows != jnp.roll(rows, 1)))
+        own = tuple(rows_at(a, rows) for a in best)
+        own = (
+            jnp.where(first[:, None], own[0], jnp.inf),
+            jnp.where(first[:, None], own[1], n),
+            own[2],
+        )
+        distances = jnp.concatenate([own[0], distances], axis=1)
+        receivers = jnp.concatenate([own[1], receivers.astype(index_dtype)], axis=1)
+        images = jnp.concatenate([own[2], images], axis=1)
+        unwanted = receivers >= n
+        if segment is not None:
+            unwanted = unwanted | (
+                rows_at(segment, receivers) != rows_at(segment, rows)[:, None]
+            )
+        distances = jnp.where(unwanted, jnp.inf, distances)
+        receivers = jnp.where(unwanted, n, receivers)
+        owners = jnp.broadcast_to(jnp.where(valid, rows, n)[:, None], receivers.shape)
+        keys = (owners, distances, receivers, images)
+        owners, distances, receivers, images = lax.sort(
+            tuple(a.reshape(-1) for a in keys), num_keys=4
+        )
+        # A point's first `wanted` entries: its own best is among them, so it has
+        # at least that many.
+        starts = jnp.searchsorted(owners, rows, side="left", method="scan")
+        taken = starts[:, None] + jnp.arange(columns)
+        found = (distances[taken], receivers[taken], images[taken])
+        # Put back by a gather of each point's first row of the chunk (no scatter).
+        at_first = jnp.maximum(first_place, start)
+        mine = (per_point > 0) & (at_first < jnp.minimum(running, start + chunk))
+        at = jnp.clip(at_first - start, 0, chunk - 1)
+        best = tuple(
+            jnp.where(mine[:, None], rows_at(f, at), b) for f, b in zip(found, best)
+        )
+        return c + 1, best
+
+    start = (jnp.zeros((), index_dtype), best)
+    _, best = lax.while_loop(lambda c: c[0] * chunk < total, one_chunk, start)
+    return best
+
+
 def _image_chunk(n: int) -> int:
-    """How many points' images a `knn_graph` searches at once: a sixteenth of the
-    points, so that the points near one face of a periodic cell are one search, and
-    those near an edge or a corner a small one; but more than the walk's lanes, so
-    that the search is the same program for every `n` (`tests/test_compile.py`)."""
+    """How many images of points a `knn_graph` searches at once: a sixteenth of the
+    points (in a periodic cell a few chunks hold the points near every face, edge
+    and corner), but more than the walk's lanes, so that the search is the same
+    program for every `n` (`tests/test_compile.py`)."""
     return min(n, max(IMAGE_CHUNK_AT_LEAST, -(-n // IMAGE_CHUNK_FRACTION)))
 
 
