@@ -98,5 +98,4 @@ from ._sorting import (
     smallest_first_of as smallest_first_of,
     smallest_first_of_reference as smallest_first_of_reference,
     sorts_compile_slowly as sorts_compile_slowly,
-    stable_partition as stable_partition,
 )

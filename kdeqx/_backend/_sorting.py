@@ -90,16 +90,6 @@ def smallest_first_of_reference(x, payload, k: int, backend: str | None = None):
     return values, jnp.take_along_axis(payload, positions, axis=-1)
 
 
-def stable_partition(
-    flags: Bool[Array, " q"], index_dtype, backend: str | None = None
-) -> Int[Array, " q"]:
-    """The positions where `flags` is set, in order, then the others, in order."""
-    if not sorts_compile_slowly(backend):
-        positions = jnp.arange(flags.shape[0], dtype=index_dtype)
-        return lax.sort((~flags, positions), num_keys=1)[1]
-    return radix_order((~flags).astype(jnp.uint32), 1, index_dtype)
-
-
 def set_positions(
     running: Int[Array, " q"], places: Int[Array, "*m"]
 ) -> Int[Array, "*m"]:
@@ -121,16 +111,14 @@ def redone_in_groups(redo: Bool[Array, " q"], group: int, redo_rows, states, car
     """
     q = redo.shape[0]
     index_dtype = jnp.int32
-    waiting = stable_partition(redo, index_dtype)
-    # Padded so that no group's slice runs past the end: `lax.dynamic_slice` would
-    # move it back, onto rows another group did, and miss the last ones.
-    waiting = jnp.concatenate([waiting, jnp.zeros(group, index_dtype)])
-    count = jnp.sum(redo, dtype=index_dtype)
+    running = jnp.cumsum(redo, dtype=index_dtype)
+    count = running[-1]
 
     def one_group(c):
         g, states, carry = c
-        valid = g * group + jnp.arange(group, dtype=index_dtype) < count
-        rows = jnp.where(valid, lax.dynamic_slice_in_dim(waiting, g * group, group), 0)
+        rows = set_positions(running, g * group + jnp.arange(group, dtype=index_dtype))
+        valid = rows < q
+        rows = jnp.where(valid, rows, 0)
         found, carry = redo_rows(rows, valid, carry)
         keep = jnp.where(valid, rows, q)  # q: dropped
         states = jax.tree.map(

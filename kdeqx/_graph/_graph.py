@@ -1055,11 +1055,9 @@ def _knn_graph(
         distances, receivers, images = (
             jnp.concatenate([b, c], axis=1) for b, c in zip(best, candidates)
         )
-        unwanted = receivers >= n
+        unwanted = _of_other_segments(receivers, own[:, 0], segment, n)
         if not self_loops:
             unwanted = unwanted | ((receivers == own) & (images == centre))
-        if segment is not None:
-            unwanted = unwanted | (rows_at(segment, receivers) != segment[:, None])
         distances = jnp.where(unwanted, jnp.inf, distances)
         receivers = jnp.where(unwanted, n, receivers)
         sorted_ = lax.sort((distances, receivers, images), dimension=1, num_keys=3)
@@ -1116,29 +1114,28 @@ def _with_other_images(
         terms = [shift[:, b, None] * lattice[..., b, :] for b in range(table.shape[1])]
         return sum(terms[1:], terms[0])
 
-    def reachable(image: Int[Array, " m"], rows: Int[Array, " m"]) -> Array:
-        if system is None:
-            return jnp.ones(rows.shape, bool)
-        still = shifts[image] == 0
-        return jnp.all(placed.periodic[system][rows] | still, axis=-1)
-
     # The k-th best so far (the point itself, unshifted, is never one of them; ties
     # at the k-th enter).
     bound = jnp.nextafter(best[0][:, k - 1], jnp.inf)
     lo, hi = _segment_boxes(points, segment)
-    everyone = jnp.arange(n, dtype=index_dtype)
 
     def needed_of(image):
-        image = jnp.full(n, image, jnp.int32)
-        x = points - offsets(image, everyone)
-        return reachable(image, everyone) & ~_surely_beyond(x, lo, hi, bound)
+        """Which points' image `image` is searched: an offset along an axis a
+        point's system is not periodic along finds nothing."""
+        shift = shifts[image][None]
+        if system is None:
+            x = points - _offsets(shift, placed.lattice[0])[0]
+            reachable = True
+        else:
+            x = points - _offsets(shift, placed.lattice[system])[0]
+            reachable = _reachable(shift, placed.periodic[system])[0]
+        return reachable & ~_surely_beyond(x, lo, hi, bound)
 
     needed = lax.map(needed_of, jnp.arange(count_of, dtype=jnp.int32))  # (M, n)
     per_point = jnp.sum(needed, axis=0, dtype=index_dtype)
     running = jnp.cumsum(per_point, dtype=index_dtype)
     total, first_place = running[-1], running - per_point
     chunk = _image_chunk(n)
-    columns = wanted
 
     def one_chunk(carry):
         c, best = carry
@@ -1153,7 +1150,7 @@ def _with_other_images(
         image = jnp.minimum(image, count_of - 1)
         x = rows_at(points, rows) - offsets(image, rows)
         bounds = jnp.where(valid, rows_at(bound, rows), 0)
-        distances, receivers = _nearest(tree, x, bounds, columns)
+        distances, receivers = _nearest(tree, x, bounds, wanted)
         images = jnp.broadcast_to(jnp.asarray(others)[image][:, None], receivers.shape)
         # Each point's best joins its first row of the chunk.
         index = jnp.arange(chunk)
@@ -1167,11 +1164,7 @@ def _with_other_images(
         distances = jnp.concatenate([own[0], distances], axis=1)
         receivers = jnp.concatenate([own[1], receivers.astype(index_dtype)], axis=1)
         images = jnp.concatenate([own[2], images], axis=1)
-        unwanted = receivers >= n
-        if segment is not None:
-            unwanted = unwanted | (
-                rows_at(segment, receivers) != rows_at(segment, rows)[:, None]
-            )
+        unwanted = _of_other_segments(receivers, rows, segment, n)
         distances = jnp.where(unwanted, jnp.inf, distances)
         receivers = jnp.where(unwanted, n, receivers)
         owners = jnp.broadcast_to(jnp.where(valid, rows, n)[:, None], receivers.shape)
@@ -1182,7 +1175,7 @@ def _with_other_images(
         # A point's first `wanted` entries: its own best is among them, so it has
         # at least that many.
         starts = jnp.searchsorted(owners, rows, side="left", method="scan")
-        taken = starts[:, None] + jnp.arange(columns)
+        taken = starts[:, None] + jnp.arange(wanted)
         found = (distances[taken], receivers[taken], images[taken])
         # Put back by a gather of each point's first row of the chunk (no scatter).
         at_first = jnp.maximum(first_place, start)
@@ -1196,6 +1189,15 @@ def _with_other_images(
     start = (jnp.zeros((), index_dtype), best)
     _, best = lax.while_loop(lambda c: c[0] * chunk < total, one_chunk, start)
     return best
+
+
+def _of_other_segments(receivers, senders, segment, n: int) -> Bool[Array, "m c"]:
+    """Which receivers (rows of candidates of `senders`) are missing (`n`) or lie
+    in another segment than their sender."""
+    missing = receivers >= n
+    if segment is None:
+        return missing
+    return missing | (rows_at(segment, receivers) != rows_at(segment, senders)[:, None])
 
 
 def _image_chunk(n: int) -> int:
