@@ -42,6 +42,8 @@ copy of the repository has no history), the build, kNN, `count_ball_point` and
 import argparse
 import functools as ft
 import os
+import sys
+import threading
 import time
 
 import jax
@@ -260,11 +262,33 @@ def main():
                 liquid(int(args.liquid))
                 operator_series(args.series_n, args.profile, args.series_paths)
 
+    stuck = False
     for name, *run in jaxkd_runs:
         elapsed = time.perf_counter() - started
         print(f"\n== jaxkd, {name} == ({elapsed:.0f} s into the run)")
-        jaxkd_knn(*run)
+        stuck = not jaxkd_knn(*run, limit=JAXKD_LIMIT)
+        if stuck:
+            break
     print(f"\nthe run took {time.perf_counter() - started:.0f} s")
+    if stuck:
+        # A call on the chip cannot be cancelled: leave without waiting for it.
+        sys.stdout.flush()
+        os._exit(0)
+
+
+# Seconds jaxkd's first kNN call may take before it is reported as a lower bound; on
+# the blobs one call on a few queries runs for minutes, past the run's 9 minutes.
+JAXKD_LIMIT = 120.0
+
+
+def within(fn, limit):
+    """`fn()`'s answer, or `None` where it has not returned after `limit` seconds
+    (it runs on in a daemon thread)."""
+    box = []
+    thread = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+    thread.start()
+    thread.join(limit)
+    return box[0] if box else None
 
 
 @ft.cache
@@ -731,15 +755,20 @@ def overflowed(tree, x, k):
     return int(run(tree, x))
 
 
-def jaxkd_knn(p_dev, x_dev, k, best, sd, si):
+def jaxkd_knn(p_dev, x_dev, k, best, sd, si, limit):
+    """jaxkd's build and kNN on the chip; `False` where a call ran past `limit`
+    seconds (and runs on)."""
     try:
         import jaxkd
     except ImportError:
         print("jaxkd not installed")
-        return
+        return True
     start = time.perf_counter()
-    tree = jax.block_until_ready(jaxkd.build_tree(p_dev))
+    tree = within(lambda: jax.block_until_ready(jaxkd.build_tree(p_dev)), limit)
     built = time.perf_counter() - start
+    if tree is None:
+        print(f"jaxkd on chip: build still running after {limit:.0f} s; stopped")
+        return False
     q = x_dev.shape[0]
     # jaxkd's query vmaps a walk whose temporaries grow with the queries times the
     # points (about 480 bytes a point for each query, from its out-of-memory
@@ -747,13 +776,22 @@ def jaxkd_knn(p_dev, x_dev, k, best, sd, si):
     part = int(min(q, max(1, 4e9 // (480 * p_dev.shape[0]))))
     query = lambda: jaxkd.query_neighbors(tree, x_dev[:part], k=k)  # noqa: E731
     try:
-        # A second call only where the first was short: on clustered points one
-        # call can take minutes.
-        first, _, (ji, jd) = first_and_best(query, 0)
+        start = time.perf_counter()
+        out = within(lambda: jax.block_until_ready(query()), limit)
+        first = time.perf_counter() - start
+        if out is None:
+            print(
+                f"jaxkd on chip: build first {built:.2f} s; kNN on {part} queries "
+                f"still running after {limit:.0f} s, so more than {limit * q / part:.0f}"
+                f" s for Q: kdeqx more than {limit * q / part / best:.0f}x faster"
+            )
+            return False
+        ji, jd = out
+        # A second call only where the first was short.
         jbest = first_and_best(query, 0)[0] if first < 30 else first
     except Exception as error:  # noqa: BLE001
         print(f"jaxkd on chip, {part} queries: {type(error).__name__}: {error}"[:300])
-        return
+        return True
     jbest *= q / part
     print(
         f"jaxkd on chip: build first {built:.2f} s, kNN first {first:.2f} s, "
@@ -761,7 +799,7 @@ def jaxkd_knn(p_dev, x_dev, k, best, sd, si):
         f"{jbest / best:.1f}x faster"
     )
     check("jaxkd", jd, ji, sd[:part], si[:part])
-
+    return True
 
 if __name__ == "__main__":
     main()
