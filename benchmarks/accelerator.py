@@ -782,8 +782,9 @@ def jaxkd_knn(p_dev, x_dev, k, best, sd, si, limit):
         if out is None:
             print(
                 f"jaxkd on chip: build first {built:.2f} s; kNN on {part} queries "
-                f"still running after {limit:.0f} s, so more than {limit * q / part:.0f}"
-                f" s for Q: kdeqx more than {limit * q / part / best:.0f}x faster"
+                f"still running after {limit:.0f} s, so more than "
+                f"{limit * q / part:.0f} s for Q: kdeqx more than "
+                f"{limit * q / part / best:.0f}x faster"
             )
             return False
         ji, jd = out
@@ -800,6 +801,7 @@ def jaxkd_knn(p_dev, x_dev, k, best, sd, si, limit):
     )
     check("jaxkd", jd, ji, sd[:part], si[:part])
     return True
+
 
 if __name__ == "__main__":
     main()
