@@ -13,7 +13,9 @@ from kdeqx._backend import _lanes
 from kdeqx._engine import _blocks
 from kdeqx._engine._blocks import CURVE_BITS, curve_order, walk_blocks
 from kdeqx._engine._metric import Minkowski
+from kdeqx._engine._search import search
 from kdeqx._query._knn import _KNearest
+from kdeqx._query._radius import _BallCollect
 
 from .helpers import DATASETS, queries_around, ulp
 
@@ -182,6 +184,48 @@ def test_counts_take_subtrees_within_the_ball_whole_and_stay_exact(p, box):
     # One radius for all: one visitor shared by every query.
     expected = reference.query_ball_point(x, 0.2, p=p, return_length=True)
     np.testing.assert_array_equal(tree.count_ball_point(x, 0.2, p=p), expected)
+
+
+@pytest.mark.parametrize("box", [None, 1.0])
+def test_ball_lists_with_subtrees_counted_whole_are_searched_again(box):
+    """Collecting the first found, dense balls count subtrees whole, unseen: those
+    balls, full or not, are searched again for their nearest, and the lists equal
+    the walk's (which sees every point) and scipy's."""
+    rng = np.random.default_rng(15)
+    centres = rng.random((6, 3))
+    points = centres[rng.integers(0, 6, 3000)] + 0.01 * rng.normal(size=(3000, 3))
+    points = np.mod(points, 1.0).astype(np.float32)
+    x = np.concatenate([centres, rng.random((60, 3))]).astype(np.float32)
+    r = np.concatenate([np.full(6, 0.03), rng.random(60) * 0.2]).astype(np.float32)
+    # Small leaves: a dense ball's frontier outgrows a block's budget.
+    tree = kdeqx.KDTree(points, box=box, engine="blocks", leaf_size=8)
+    walk = kdeqx.KDTree(points, box=box, engine="walk", leaf_size=8)
+    capacity = 2048  # more than any ball holds
+    metric = Minkowski(2.0)
+    collect = jax.jit(
+        lambda t, x, r: search(
+            t,
+            x,
+            r,
+            lambda r2: _BallCollect(capacity, r2, r2, np.dtype(np.int32), False),
+            metric,
+        )[0]
+    )
+    _, _, counts, listed = collect(tree, x, r)
+    assert np.all(counts <= capacity)
+    assert np.any(listed < counts)  # some balls did count subtrees whole
+    reference = cKDTree(points.astype(np.float64), boxsize=box)
+    lists = reference.query_ball_point(x, r)
+    for capacity in (64, capacity):
+        d, i, c = tree.query_ball_point(x, r, max_neighbors=capacity)
+        want_d, want_i, want_c = walk.query_ball_point(x, r, max_neighbors=capacity)
+        np.testing.assert_array_equal(i, want_i)
+        np.testing.assert_array_equal(c, want_c)
+        np.testing.assert_allclose(d, want_d, rtol=4 * ulp(np.float32))
+        for row, expected in zip(np.asarray(i), lists, strict=True):
+            found = row[row < len(points)]
+            assert set(found) <= set(expected)
+            assert len(found) == min(len(expected), capacity)
 
 
 def test_query_order_is_a_stable_sort_of_the_codes_top_bits():

@@ -57,6 +57,12 @@ class _BallCollect(AbstractVisitor):
     `k` of them: the nearest, merged as the walk goes (`nearest=True`), or the first
     found, unordered, in `O(leaf)` work per leaf whatever `k`.
 
+    The state is `(d2, indices, count, listed)`: the kept points, how many points
+    lie within the ball, and how many of them were seen one by one. Keeping the
+    first found, a subtree that lies within the ball is counted whole, unseen, where
+    the block engine takes it so (`whole_within`, in dense regions): there the kept
+    points may miss some, and `listed < count` says so.
+
     Empty entries are `(accept2, max index)`, so a point exactly at the accepted
     distance (a tie with the empty entry at a lower index) does enter: the ball is
     closed.
@@ -72,10 +78,12 @@ class _BallCollect(AbstractVisitor):
     counting: bool = eqx.field(static=True, default=True)
 
     def init(self):
+        zero = jnp.zeros((), self.index_dtype)
         return (
             jnp.full((self.k,), self.accept2),
             jnp.full((self.k,), jnp.iinfo(self.index_dtype).max, self.index_dtype),
-            jnp.zeros((), self.index_dtype),
+            zero,
+            zero,
         )
 
     def should_visit(self, state, box_d2, min_index) -> Bool[Array, ""]:
@@ -92,7 +100,7 @@ class _BallCollect(AbstractVisitor):
         return leaves_per_merge(self.k, leaf_size) if self.nearest else 1
 
     def visit_leaf(self, state, d2, indices):
-        kept_d2, kept_indices, count = state
+        kept_d2, kept_indices, count, listed = state
         inside = d2 <= self.accept2
         if self.nearest:
             kept_d2, kept_indices = merge_k_best(kept_d2, kept_indices, d2, indices)
@@ -100,20 +108,31 @@ class _BallCollect(AbstractVisitor):
             # The found points go to the next free slots; the rest (and any beyond
             # the `k` slots) are dropped.
             kept = (kept_d2, kept_indices)
-            kept_d2, kept_indices = append_in_order(kept, (d2, indices), inside, count)
-        return kept_d2, kept_indices, count + jnp.sum(inside, dtype=count.dtype)
+            kept_d2, kept_indices = append_in_order(kept, (d2, indices), inside, listed)
+        found = jnp.sum(inside, dtype=count.dtype)
+        return kept_d2, kept_indices, count + found, listed + found
 
     def visit_tile(self, state, d2, indices):
         if not self.nearest:
             return self.visit_leaf(state, d2, indices)
         # A tile holds hundreds of points: its best by `smallest_pairs`, not a
         # network over the whole tile.
-        kept_d2, kept_indices, count = state
+        kept_d2, kept_indices, count, listed = state
         best = merge_sorted_into_best(
             (kept_d2, kept_indices), *smallest_pairs(d2, indices, self.k)
         )
-        found = count + jnp.sum(d2 <= self.accept2, dtype=count.dtype)
-        return (*pairs_of_best(best, d2.dtype, indices.dtype), found)
+        found = jnp.sum(d2 <= self.accept2, dtype=count.dtype)
+        kept = pairs_of_best(best, d2.dtype, indices.dtype)
+        return (*kept, count + found, listed + found)
+
+    def whole_within(self) -> Float[Array, ""] | None:
+        # Only the first found are taken whole: the nearest would all be searched
+        # again where a subtree was, a second program for every small capacity.
+        return None if self.nearest else self.accept2
+
+    def visit_whole(self, state, count):
+        kept_d2, kept_indices, found, listed = state
+        return kept_d2, kept_indices, found + count.astype(found.dtype), listed
 
 
 @split_over_cpu_devices
@@ -161,14 +180,17 @@ def _nearest_in_ball(
         )
 
     if capacity <= SMALL_K:
-        return collecting(nearest=True)
-    (d2, indices, counts), far = collecting(nearest=False)
+        (d2, indices, counts, _), far = collecting(nearest=True)
+        return (d2, indices, counts), far
+    (d2, indices, counts, listed), far = collecting(nearest=False)
     collected = sort_pairs(d2, indices)
+    # More points than the capacity, or some counted whole, unseen.
+    missed = (counts > capacity) | (listed < counts)
 
     def nearest_again(x, r):
         return collecting(nearest=True, counting=False, x=x, r=r)[0][:2]
 
-    kept = _searched_again(counts > capacity, x, r, nearest_again, collected)
+    kept = _searched_again(missed, x, r, nearest_again, collected)
     return (*kept, counts), far
 
 
