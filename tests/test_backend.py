@@ -448,6 +448,41 @@ def test_sort_edges_packs_three_keys_as_the_reference_sorts():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("width", [1, 17, _backend._pairs.RANKED_WIDTH + 1])
+def test_edges_sorted_in_rows_by_ranks_as_the_reference_sorts(width):
+    """Rows with repeated edges (padding) and repeated receivers of other images;
+    placed by ranks up to `RANKED_WIDTH` edges, sorted beyond."""
+    rng = np.random.default_rng(1)
+    receivers = rng.integers(0, 6, (200, width)).astype(np.int32)
+    images = rng.integers(0, 3, (200, width)).astype(np.int32)
+    ours = jax.jit(_backend.sort_edges_in_rows)(receivers, images)
+    for row in range(200):
+        expected = sorted(zip(receivers[row], images[row]))
+        np.testing.assert_array_equal(ours[0][row], [e[0] for e in expected])
+        np.testing.assert_array_equal(ours[1][row], [e[1] for e in expected])
+
+
+def test_entries_placed_in_rows_move_to_their_slots_and_the_rest_are_filled():
+    rng = np.random.default_rng(2)
+    rows, width, kept = 50, 9, 6
+    values = rng.random((rows, width)).astype(np.float32)
+    labels = rng.integers(0, 100, (rows, width)).astype(np.int32)
+    # A few entries of each row go to distinct slots; the rest to `kept` (dropped).
+    slots = np.full((rows, width), kept, np.int32)
+    for row in range(rows):
+        movers = rng.choice(width, rng.integers(0, kept + 1), replace=False)
+        slots[row, movers] = rng.choice(kept, len(movers), replace=False)
+    placed = jax.jit(_backend.placed_in_rows, static_argnums=(2, 3))
+    got_values, got_labels = placed(slots, (values, labels), (np.inf, -1), kept)
+    expected_values = np.full((rows, kept), np.inf, np.float32)
+    expected_labels = np.full((rows, kept), -1, np.int32)
+    for row, entry in zip(*np.nonzero(slots < kept), strict=True):
+        expected_values[row, slots[row, entry]] = values[row, entry]
+        expected_labels[row, slots[row, entry]] = labels[row, entry]
+    np.testing.assert_array_equal(got_values, expected_values)
+    np.testing.assert_array_equal(got_labels, expected_labels)
+
+
 def test_quick_start_options_keep_only_the_options_this_jaxlib_knows(monkeypatch):
     options = {"xla_no_such_option": 1, "xla_backend_optimization_level": 1}
     monkeypatch.setattr(_backend._compile, "QUICK_START_OPTIONS", options)

@@ -6,6 +6,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 
 from .._custom_types import Array, Bool, Float, Int, UInt
+from ._scatters import picked_where
 from ._sorting import enable_x64_locally
 
 
@@ -233,9 +234,47 @@ def sort_edges_reference(senders, receivers, images):
 def sort_edges_in_rows(
     receivers: Int[Array, "n k"], images: Int[Array, "n k"]
 ) -> tuple[Int[Array, "n k"], Int[Array, "n k"]]:
-    """Each row sorted by receiver, then image."""
+    """Each row sorted by receiver, then image (ties by position). A row of at most
+    `RANKED_WIDTH` edges is placed by ranks: each edge's place is the number of
+    edges before it in the order, one compare per pair of edges in the row."""
+    width = receivers.shape[1]
+    if width > RANKED_WIDTH:
+        return sort_edges_in_rows_reference(receivers, images)
+    position = jnp.arange(width)
+    r_i, r_j = receivers[:, :, None], receivers[:, None, :]
+    s_i, s_j = images[:, :, None], images[:, None, :]
+    ahead = position[None, :] < position[:, None]
+    before = (r_j < r_i) | ((r_j == r_i) & ((s_j < s_i) | ((s_j == s_i) & ahead)))
+    rank = jnp.sum(before, axis=2, dtype=jnp.int32)
+    receivers, images = placed_in_rows(rank, (receivers, images), (0, 0), width)
+    return receivers, images
+
+
+def sort_edges_in_rows_reference(receivers, images):
     receivers, images = lax.sort((receivers, images), dimension=1, num_keys=2)
     return receivers, images
+
+
+# Rows this narrow are sorted by ranks, wider ones by XLA's sort, which takes each
+# row as a sequence (`benchmarks/row_sorts.py`).
+RANKED_WIDTH = 32
+
+
+def placed_in_rows(
+    slots: Int[Array, "n w"], arrays: tuple[Array, ...], fills: tuple, width: int
+) -> tuple[Array, ...]:
+    """Each of `arrays` (shaped as `slots`) with each row's entries moved to their
+    `slots` in a row of `width` (no two entries of a row share a slot; those at
+    `width` or beyond are dropped), `fills` in the slots no entry moves to.
+
+    By a compare of each entry's slot with each slot and a reduction, with no
+    scatter and no sort: for narrow rows, such as a graph's edges of a point."""
+    hits = slots[:, :, None] == jnp.arange(width, dtype=slots.dtype)
+    found = jnp.any(hits, axis=1)
+    return tuple(
+        jnp.where(found, picked_where(hits, a[:, :, None], axis=1), fill)
+        for a, fill in zip(arrays, fills, strict=True)
+    )
 
 
 def _sort_wide_pairs(d2, indices):

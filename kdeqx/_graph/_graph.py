@@ -25,6 +25,7 @@ import numpy as np
 from .._backend import (
     argsort_keys,
     outside_any_trace,
+    placed_in_rows,
     set_positions,
     sort_edges,
     sort_edges_in_rows,
@@ -1049,26 +1050,15 @@ def _knn_graph(
     s_own = jnp.full(j_own.shape, centre, jnp.int32)
     own = jnp.arange(n, dtype=j_own.dtype)[:, None]
 
-    def merged(best, candidates):
-        """The `wanted` best of both by `(distance, receiver, image)`; the
-        point itself, other segments' points and missing ones at `(inf, n)`."""
-        distances, receivers, images = (
-            jnp.concatenate([b, c], axis=1) for b, c in zip(best, candidates)
-        )
-        unwanted = _of_other_segments(receivers, own[:, 0], segment, n)
-        if not self_loops:
-            unwanted = unwanted | ((receivers == own) & (images == centre))
-        distances = jnp.where(unwanted, jnp.inf, distances)
-        receivers = jnp.where(unwanted, n, receivers)
-        sorted_ = lax.sort((distances, receivers, images), dimension=1, num_keys=3)
-        return tuple(a[:, :wanted] for a in sorted_)
-
-    none = (
-        jnp.full((n, 0), jnp.inf, points.dtype),
-        jnp.zeros((n, 0), j_own.dtype),
-        jnp.zeros((n, 0), jnp.int32),
-    )
-    best = merged(none, (d_own, j_own, s_own))
+    # The own image's neighbours, in order, less the point itself and other
+    # segments' points (and missing ones): those at `(inf, n)` after the rest.
+    unwanted = _of_other_segments(j_own, own[:, 0], segment, n)
+    if not self_loops:
+        unwanted = unwanted | (j_own == own)
+    slots = jnp.cumsum(~unwanted, axis=1, dtype=jnp.int32) - 1
+    slots = jnp.where(unwanted, wanted, slots)
+    fills = (jnp.inf, n, centre)
+    best = placed_in_rows(slots, (d_own, j_own, s_own), fills, wanted)
     others = np.asarray([s for s in range(len(table)) if s != centre], np.int32)
     if len(others):
         best = _with_other_images(
