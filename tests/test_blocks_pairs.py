@@ -324,6 +324,17 @@ def test_pairs_of_one_tree_on_blocks_equal_scipy(
     np.testing.assert_allclose(matrix.todense(), walked.todense(), rtol=4e-7)
 
 
+@pytest.mark.parametrize("size", [20, 32, 40, 256])
+def test_ranks_of_flags_count_the_flags_before_each_in_row_major_order(size):
+    """A word's bitmask and a prefix over words; rows of several words taken as
+    their words; other rows by a prefix sum over every flag."""
+    rng = np.random.default_rng(6)
+    emits = rng.random((3, 7, size)) < rng.random((3, 7, 1))
+    got = jax.jit(_traverse._ranks)(jnp.asarray(emits))
+    flat = emits.reshape(-1).astype(np.int64)
+    np.testing.assert_array_equal(got, (np.cumsum(flat) - flat).reshape(emits.shape))
+
+
 @pytest.mark.parametrize("capacity", [5000, 300])
 def test_records_picked_by_rows_are_the_scattered_records(capacity):
     """The TPU's way of appending a tile's records (each row's picked into slots by

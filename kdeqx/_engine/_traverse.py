@@ -279,6 +279,9 @@ def _ranks(emits: Bool[Array, "*groups size"]) -> Int[Array, "*groups size"]:
     markedly more.
     """
     size = emits.shape[-1]
+    if size > WORD and size % WORD == 0:
+        # Words of a longer row, in the same row-major order.
+        return _ranks(emits.reshape(-1, WORD)).reshape(emits.shape)
     if size > WORD:
         flat = emits.reshape(-1)
         return (jnp.cumsum(flat, dtype=jnp.int32) - flat).reshape(emits.shape)
