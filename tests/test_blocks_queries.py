@@ -57,9 +57,12 @@ def test_full_balls_keep_the_nearest_and_count_every_point(dataset):
     )
     assert np.mean(counts > capacity) > 0.9
     walked = kdeqx.KDTree(points, engine="walk")
-    np.testing.assert_array_equal(
-        i, walked.query_ball_point(x, r, max_neighbors=capacity)[1]
-    )
+    walk_d, walk_i, _ = walked.query_ball_point(x, r, max_neighbors=capacity)
+    np.testing.assert_array_equal(i, walk_i)
+    # Both pruned by the farthest kept: the nearest, as scipy's distances say.
+    nearest, _ = reference.query(x, k=capacity, distance_upper_bound=r * (1 + 1e-6))
+    np.testing.assert_allclose(walk_d, nearest, rtol=1e-5)
+    np.testing.assert_allclose(d, nearest, rtol=1e-5)
     d2 = ((points[None, :, :] - x[:, None, :]) ** 2).sum(-1)
     nearest = np.lexsort((np.broadcast_to(np.arange(3000), d2.shape), d2), axis=1)
     np.testing.assert_array_equal(i, nearest[:, :capacity])

@@ -87,7 +87,7 @@ class _BallCollect(AbstractVisitor):
         )
 
     def should_visit(self, state, box_d2, min_index) -> Bool[Array, ""]:
-        return box_d2 <= self.r2
+        return box_d2 <= self.reach(state)
 
     def reach(self, state) -> Float[Array, ""]:
         if self.nearest and not self.counting:
