@@ -209,12 +209,13 @@ def test_smallest_first_of_by_a_sort_is_top_k_and_a_gather():
         np.testing.assert_array_equal(a, expected)
 
 
+@pytest.mark.parametrize("tile", [20, 40, 64])  # a word, a prefix sum, words
 @pytest.mark.parametrize("count", [0, 3, 7, 8, 11])
-def test_append_in_order_by_reductions_is_the_scatter(count):
+def test_append_in_order_by_reductions_is_the_scatter(count, tile):
     """The TPU's way (a reduction per slot) against the scatter, and numpy: the
     entries inside, in order, from slot `count`, those beyond the last dropped."""
     rng = np.random.default_rng(count)
-    k, tile = 8, 40
+    k = 8
     kept = (
         jnp.asarray(rng.random(k), jnp.float32),
         jnp.asarray(rng.integers(0, 100, k), jnp.int32),

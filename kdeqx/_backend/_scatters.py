@@ -3,6 +3,7 @@
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
+import numpy as np
 
 from .._custom_types import Array, Bool, Int, UInt
 
@@ -135,5 +136,27 @@ def append_in_order_reference(kept, new, inside, count, backend=None):
 def _slots_of(inside, count, k: int):
     """Each entry's slot: `count` plus its rank among those inside; `k` (none) for
     those not inside."""
-    slot = count + jnp.cumsum(inside, dtype=count.dtype) - 1
+    slot = count + _ranks_in_row(inside).astype(count.dtype)
     return jnp.where(inside, slot, k)
+
+
+def _ranks_in_row(flags: Bool[Array, " m"]) -> Int[Array, " m"]:
+    """How many flags are set before each: in 32-bit words, each flag's word's set
+    bits below it, after the set bits of the words before. XLA:CPU runs a prefix
+    sum over every flag as a reduction window per entry (see
+    `benchmarks/accelerator.py`'s `query_ball_point`, on the CPU)."""
+    m = flags.shape[-1]
+    if m > _WORD and m % _WORD:
+        return jnp.cumsum(flags, dtype=jnp.int32) - flags
+    width = min(m, _WORD)
+    rows = flags.reshape(-1, width).astype(jnp.uint32)
+    bits = np.arange(width, dtype=np.uint32)
+    words = jnp.sum(rows << bits, axis=1, dtype=jnp.uint32)
+    below = (np.uint32(1) << bits) - np.uint32(1)
+    within = lax.population_count(words[:, None] & below).astype(jnp.int32)
+    counts = lax.population_count(words).astype(jnp.int32)
+    before = jnp.cumsum(counts) - counts
+    return (before[:, None] + within).reshape(flags.shape)
+
+
+_WORD = 32
