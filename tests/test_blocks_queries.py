@@ -170,16 +170,23 @@ def test_tiny_budgets_take_every_fallback_and_stay_exact(
         np.testing.assert_array_equal(count(tree, x, r), expected)
 
 
-@pytest.mark.parametrize("p, box", [(2.0, None), (1.0, None), (np.inf, 1.0)])
-def test_counts_take_subtrees_within_the_ball_whole_and_stay_exact(p, box):
-    """Radii that swallow whole clusters (subtrees counted by their size, not their
-    leaves) and cut through others, against scipy; in a periodic box too."""
-    rng = np.random.default_rng(14)
+def _balls_over_clusters(rng, central: float, widest: float):
+    """3000 points in 6 tight clusters of the unit cube (wrapped into it); a query
+    at each cluster's centre with radius `central`, and 60 uniform queries with
+    radii up to `widest`."""
     centres = rng.random((6, 3))
     points = centres[rng.integers(0, 6, 3000)] + 0.01 * rng.normal(size=(3000, 3))
     points = np.mod(points, 1.0).astype(np.float32)
     x = np.concatenate([centres, rng.random((60, 3))]).astype(np.float32)
-    r = np.concatenate([np.full(6, 0.05), rng.random(60) * 0.4]).astype(np.float32)
+    r = np.concatenate([np.full(6, central), rng.random(60) * widest])
+    return points, x, r.astype(np.float32)
+
+
+@pytest.mark.parametrize("p, box", [(2.0, None), (1.0, None), (np.inf, 1.0)])
+def test_counts_take_subtrees_within_the_ball_whole_and_stay_exact(p, box):
+    """Radii that swallow whole clusters (subtrees counted by their size, not their
+    leaves) and cut through others, against scipy; in a periodic box too."""
+    points, x, r = _balls_over_clusters(np.random.default_rng(14), 0.05, 0.4)
     tree = kdeqx.KDTree(points, box=box, engine="blocks")
     reference = cKDTree(points.astype(np.float64), boxsize=box)
     expected = reference.query_ball_point(x, r, p=p, return_length=True)
@@ -193,12 +200,7 @@ def test_ball_lists_with_subtrees_counted_whole_are_searched_again():
     """Collecting the first found, dense balls count subtrees whole, unseen: those
     balls, full or not, are searched again for their nearest, and the lists equal
     the walk's (which sees every point) and scipy's."""
-    rng = np.random.default_rng(15)
-    centres = rng.random((6, 3))
-    points = centres[rng.integers(0, 6, 3000)] + 0.01 * rng.normal(size=(3000, 3))
-    points = np.mod(points, 1.0).astype(np.float32)
-    x = np.concatenate([centres, rng.random((60, 3))]).astype(np.float32)
-    r = np.concatenate([np.full(6, 0.03), rng.random(60) * 0.2]).astype(np.float32)
+    points, x, r = _balls_over_clusters(np.random.default_rng(15), 0.03, 0.2)
     # Small leaves: a dense ball's frontier outgrows a block's budget.
     box = 1.0  # a periodic box: the queries are searched on one device, not split
     tree = kdeqx.KDTree(points, box=box, engine="blocks", leaf_size=8)
