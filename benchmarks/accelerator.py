@@ -282,13 +282,25 @@ JAXKD_LIMIT = 120.0
 
 
 def within(fn, limit):
-    """`fn()`'s answer, or `None` where it has not returned after `limit` seconds
-    (it runs on in a daemon thread)."""
+    """`fn()`'s answer (or its exception, raised), or `None` where it has not
+    returned after `limit` seconds (it runs on in a daemon thread)."""
     box = []
-    thread = threading.Thread(target=lambda: box.append(fn()), daemon=True)
+
+    def run():
+        try:
+            box.append((True, fn()))
+        except Exception as error:  # noqa: BLE001
+            box.append((False, error))
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
     thread.join(limit)
-    return box[0] if box else None
+    if not box:
+        return None
+    returned, value = box[0]
+    if not returned:
+        raise value
+    return value
 
 
 @ft.cache
@@ -763,19 +775,19 @@ def jaxkd_knn(p_dev, x_dev, k, best, sd, si, limit):
     except ImportError:
         print("jaxkd not installed")
         return True
-    start = time.perf_counter()
-    tree = within(lambda: jax.block_until_ready(jaxkd.build_tree(p_dev)), limit)
-    built = time.perf_counter() - start
-    if tree is None:
-        print(f"jaxkd on chip: build still running after {limit:.0f} s; stopped")
-        return False
     q = x_dev.shape[0]
     # jaxkd's query vmaps a walk whose temporaries grow with the queries times the
     # points (about 480 bytes a point for each query, from its out-of-memory
     # reports): as many queries as a few GB of temporaries hold.
     part = int(min(q, max(1, 4e9 // (480 * p_dev.shape[0]))))
-    query = lambda: jaxkd.query_neighbors(tree, x_dev[:part], k=k)  # noqa: E731
     try:
+        start = time.perf_counter()
+        tree = within(lambda: jax.block_until_ready(jaxkd.build_tree(p_dev)), limit)
+        built = time.perf_counter() - start
+        if tree is None:
+            print(f"jaxkd on chip: build still running after {limit:.0f} s; stopped")
+            return False
+        query = lambda: jaxkd.query_neighbors(tree, x_dev[:part], k=k)  # noqa: E731
         start = time.perf_counter()
         out = within(lambda: jax.block_until_ready(query()), limit)
         first = time.perf_counter() - start
