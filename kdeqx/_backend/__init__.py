@@ -80,6 +80,7 @@ from ._reductions import (
 from ._scatters import (
     append_in_order as append_in_order,
     append_in_order_reference as append_in_order_reference,
+    flags_before as flags_before,
     gather_clamped as gather_clamped,
     gather_clamped_reference as gather_clamped_reference,
     move_rows as move_rows,

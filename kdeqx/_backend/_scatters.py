@@ -136,27 +136,44 @@ def append_in_order_reference(kept, new, inside, count, backend=None):
 def _slots_of(inside, count, k: int):
     """Each entry's slot: `count` plus its rank among those inside; `k` (none) for
     those not inside."""
-    slot = count + _ranks_in_row(inside).astype(count.dtype)
+    slot = count + flags_before(inside).astype(count.dtype)
     return jnp.where(inside, slot, k)
 
 
-def _ranks_in_row(flags: Bool[Array, " m"]) -> Int[Array, " m"]:
-    """How many flags are set before each: in 32-bit words, each flag's word's set
-    bits below it, after the set bits of the words before. XLA:CPU runs a prefix
-    sum over every flag as a reduction window per entry (see
-    `benchmarks/accelerator.py`'s `query_ball_point`, on the CPU)."""
-    m = flags.shape[-1]
-    if m > _WORD and m % _WORD:
-        return jnp.cumsum(flags, dtype=jnp.int32) - flags
-    width = min(m, _WORD)
-    rows = flags.reshape(-1, width).astype(jnp.uint32)
+def flags_before(flags: Bool[Array, "*groups size"]) -> Int[Array, "*groups size"]:
+    """For each flag, how many flags are set before it (in row-major order).
+
+    In 32-bit words: each flag's word's set bits below it, after the set bits of the
+    words before. XLA:CPU runs a prefix sum over every flag as a reduction window
+    per entry, markedly slower (see `benchmarks/accelerator.py`'s
+    `query_ball_point` and `--part2` pairs and graphs, on the CPU). Rows longer than
+    a word and not whole words take the prefix sum.
+    """
+    size = flags.shape[-1]
+    if size > _WORD and size % _WORD:
+        flat = flags.reshape(-1)
+        return (jnp.cumsum(flat, dtype=jnp.int32) - flat).reshape(flags.shape)
+    width = min(size, _WORD)
+    # Constants (NumPy), not iotas: XLA:CPU would compile each iota into a kernel.
     bits = np.arange(width, dtype=np.uint32)
-    words = jnp.sum(rows << bits, axis=1, dtype=jnp.uint32)
+    # The bits are disjoint: their sum sets them.
+    words = jnp.sum(flags.reshape(-1, width).astype(jnp.uint32) << bits, axis=1)
     below = (np.uint32(1) << bits) - np.uint32(1)
     within = lax.population_count(words[:, None] & below).astype(jnp.int32)
     counts = lax.population_count(words).astype(jnp.int32)
-    before = jnp.cumsum(counts) - counts
-    return (before[:, None] + within).reshape(flags.shape)
+    return (_counts_before(counts)[:, None] + within).reshape(flags.shape)
+
+
+def _counts_before(counts: Int[Array, " m"]) -> Int[Array, " m"]:
+    """The exclusive prefix sum of `counts`. Of a few counts, as one masked sum: a
+    prefix sum (a `reduce_window`) is several kernels on XLA:CPU, which the compile
+    pays for."""
+    m = counts.shape[0]
+    if m > _MASKED_PREFIX_MAX:
+        return jnp.cumsum(counts) - counts
+    earlier = np.arange(m)[None, :] < np.arange(m)[:, None]  # a constant
+    return jnp.sum(jnp.where(earlier, counts[None, :], 0), axis=1, dtype=counts.dtype)
 
 
 _WORD = 32
+_MASKED_PREFIX_MAX = 64

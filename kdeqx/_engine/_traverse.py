@@ -30,6 +30,7 @@ import numpy as np
 
 from .._backend import (
     argsort_keys,
+    flags_before,
     gather_clamped,
     lane_count,
     picked_where,
@@ -39,7 +40,7 @@ from .._backend import (
 from .._custom_types import Array, Bool, Float, Int, PyTree, UInt
 from .._floats import binary_exponent, power_of_two
 from ._base import AbstractSearchTree
-from ._bits import bitmasks, set_bit_count, WORD
+from ._bits import WORD
 from ._metric import Block, Minkowski, Query, query_axes, wrap_into_box
 
 
@@ -234,7 +235,7 @@ class Sink(eqx.Module):
     def _stored(self, emits, records) -> "Sink":
         """The records where `emits` is set stored, while there is room."""
         count = self.stored.dtype
-        rank = _ranks(emits).astype(count).reshape(-1)
+        rank = flags_before(emits).astype(count).reshape(-1)
         emits = emits.reshape(-1)
         room = self.capacity - self.stored  # 0 once full
         slot = jnp.where(emits & (rank < room), self.stored + rank, self.capacity)
@@ -269,43 +270,6 @@ def _picked(hits: Bool[Array, "rows size slots"], values: Array) -> Array:
     `hits` is set (at most one), as `(rows, slots, ...)`."""
     hits = hits[(..., *(None,) * (values.ndim - 2))]
     return picked_where(hits, values[:, :, None], axis=1)
-
-
-def _ranks(emits: Bool[Array, "*groups size"]) -> Int[Array, "*groups size"]:
-    """For each flag, how many flags are set before it (in row-major order).
-
-    For groups of at most 32, from each group's bitmask (the set bits below a flag)
-    and a prefix sum over the groups: a prefix sum over every flag cost XLA:CPU
-    markedly more.
-    """
-    size = emits.shape[-1]
-    if size > WORD and size % WORD == 0:
-        # Words of a longer row, in the same row-major order.
-        return _ranks(emits.reshape(-1, WORD)).reshape(emits.shape)
-    if size > WORD:
-        flat = emits.reshape(-1)
-        return (jnp.cumsum(flat, dtype=jnp.int32) - flat).reshape(emits.shape)
-    groups = bitmasks(emits.reshape(-1, size))[:, 0]
-    counts = set_bit_count(groups)
-    before = _counts_before(counts)
-    # Constants (NumPy), not iotas: XLA:CPU would compile each iota into a kernel.
-    below = (np.uint32(1) << np.arange(size, dtype=np.uint32)) - np.uint32(1)
-    within = set_bit_count(groups[:, None] & below)
-    return (before[:, None] + within).reshape(emits.shape)
-
-
-def _counts_before(counts: Int[Array, " m"]) -> Int[Array, " m"]:
-    """The exclusive prefix sum of `counts`. Of a few counts, as one masked sum: a
-    prefix sum (a `reduce_window`) is several kernels on XLA:CPU, which the compile
-    pays for."""
-    m = counts.shape[0]
-    if m > _MASKED_PREFIX_MAX:
-        return jnp.cumsum(counts) - counts
-    earlier = np.arange(m)[None, :] < np.arange(m)[:, None]  # a constant
-    return jnp.sum(jnp.where(earlier, counts[None, :], 0), axis=1, dtype=counts.dtype)
-
-
-_MASKED_PREFIX_MAX = 64
 
 
 def far_limit(dtype, d: int, metric: Minkowski) -> float:
@@ -814,7 +778,7 @@ def _lane_ranks(
     """For each flag, how many flags are set before it; and how many are set."""
     lanes = flags.shape[0]
     padded = jnp.pad(flags, (0, -lanes % WORD))
-    ranks = _ranks(padded.reshape(-1, WORD)).reshape(-1)
+    ranks = flags_before(padded.reshape(-1, WORD)).reshape(-1)
     return ranks[:lanes], ranks[-1] + padded[-1]
 
 
