@@ -141,6 +141,12 @@ def main():
         help="kNN at k from 16 to 128 with a tile's k best by rounds of minima and "
         "by a sort (kdeqx._engine._merge.ROUNDS_MAX_K)",
     )
+    parser.add_argument(
+        "--local-solvers",
+        action="store_true",
+        help="the local RBF's systems (k = 32, 36 unknowns) solved by elimination "
+        "along the lanes and by XLA's batched LU: the solves alone, and the fit",
+    )
     parser.add_argument("--skip-jaxkd", action="store_true")
     parser.add_argument(
         "--quick",
@@ -215,6 +221,8 @@ def main():
             compile_parts(tree, x_dev, k)
         if args.compile_kernels and name == "uniform":
             compile_kernels(tree, x_dev)
+        if args.local_solvers and name == "uniform":
+            local_solvers(tree, pts, x_dev)
         if args.profile:
             profile("kNN", lambda: knn(tree, x_dev))
         if args.walk:
@@ -391,6 +399,46 @@ def part2(tree, ref, pts, queries, r, local_q):
         )
         peer = f"scipy RBFInterpolator(neighbors=32), {os.cpu_count()} host cores"
         record(f"{kernel} k=32, n={n:.0e}, Q={len(x):.0e}", best, peer, t_rbf)
+
+
+def local_solvers(tree, pts, x):
+    """The local RBF's saddle-point systems solved by elimination along the lanes
+    (`kdeqx._interpolation._dense._eliminate_in_lanes`) and by XLA's batched LU: the
+    solves of `len(x)` random systems alone, then the whole fit at k = 32."""
+    from kdeqx._interpolation import _dense
+
+    rng = np.random.default_rng(2)
+    size, m = len(x), 36
+    a = rng.standard_normal((size, m, m)).astype(np.float32)
+    a = a + a.transpose(0, 2, 1)
+    a[:, 32:, 32:] = 0
+    rhs = rng.standard_normal((size, m, 1)).astype(np.float32)
+    matrix, vector = jnp.asarray(a), jnp.asarray(rhs)
+    values = jnp.asarray(np.sin(6 * pts[:, 0]) * np.cos(4 * pts[:, 1]), jnp.float32)
+    truth = np.sin(6 * np.asarray(x[:, 0])) * np.cos(4 * np.asarray(x[:, 1]))
+    lanes = _dense._eliminate_in_lanes
+    try:
+        for name, solver in [("lanes", lanes), ("XLA's LU", _dense._lu_solve)]:
+            solve = jax.jit(solver)
+            first, best, (solution, _) = first_and_best(lambda: solve(matrix, vector))
+            product = np.einsum("bij,bjk->bik", a[:1000], np.asarray(solution[:1000]))
+            print(
+                f"  {size} systems of {m} by {name}: first {first:.2f} s, steady "
+                f"{best * 1e3:.1f} ms; largest residual of 1000 "
+                f"{np.max(np.abs(product - rhs[:1000])):.1e}"
+            )
+            _dense._eliminate_in_lanes = solver  # the TPU's solver, in the fit
+            jax.clear_caches()
+            model = kdeqx.Interpolator(tree, values, k=32, kernel="rbf")
+            fit = jax.jit(lambda m, x: m(x))
+            first, best, got = first_and_best(lambda: fit(model, x), 1)
+            rmse = float(np.sqrt(np.mean((np.asarray(got) - truth) ** 2)))
+            print(
+                f"  rbf k=32 by {name}: first {first:.2f} s, steady {best:.4f} s, "
+                f"RMSE {rmse:.2e}"
+            )
+    finally:
+        _dense._eliminate_in_lanes = lanes
 
 
 def liquid(n, density=0.8, r=2.285):

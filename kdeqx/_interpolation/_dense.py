@@ -8,7 +8,12 @@ until the pieces are done; when as many of them as the pool has threads run at o
 (two independent batched solves of one program, such as a fit and its gradient, or a
 program split over several CPU devices), every thread waits on work that no thread is
 left to run, and the program hangs. No batch size, thread setting or transform makes
-elimination wait on anything. Elsewhere (GPU, TPU) the LU factorisation is XLA's own.
+elimination wait on anything.
+
+On a TPU the same elimination runs with the systems along the lanes
+(`_eliminate_in_lanes`): XLA's batched LU there solved a local RBF's systems several
+times slower and compiled for far longer (`benchmarks/accelerator.py
+--local-solvers`). Elsewhere (GPU) the LU factorisation is XLA's own.
 """
 
 import jax
@@ -95,6 +100,58 @@ def _eliminate_solve(
     return solution, singular | ~jnp.all(jnp.isfinite(solution))
 
 
+def _eliminate_in_lanes(
+    matrix: Float[Array, "*batch m m"], rhs: Float[Array, "*batch m s"]
+) -> tuple[Float[Array, "*batch m s"], Bool[Array, "*batch"]]:
+    """As `_eliminate_solve`, for a whole batch at once with the systems along the
+    last axis, where a vector machine keeps its lanes. A row is picked by a mask
+    rather than gathered (the pivot row of a step, then of an unknown in the back
+    substitution), so each step is a few dense passes over the batch."""
+    *batch, m, s = rhs.shape
+    augmented = jnp.concatenate([matrix, rhs.astype(matrix.dtype)], axis=-1)
+    augmented = jnp.moveaxis(augmented.reshape(-1, m, m + s), 0, -1)
+    rows = jnp.arange(m)[:, None]
+
+    def row_of_step(augmented, step_of_row, j):
+        return jnp.sum(jnp.where((step_of_row == j)[:, None], augmented, 0), axis=0)
+
+    def eliminate(j, carry):
+        augmented, step_of_row, smallest = carry
+        column = lax.dynamic_index_in_dim(augmented, j, axis=1, keepdims=False)
+        unused = step_of_row < 0
+        magnitude = jnp.where(unused, jnp.abs(column), -1)
+        largest = jnp.max(magnitude, axis=0)
+        # LU's pivot: the first unused row of largest magnitude.
+        first = jnp.min(jnp.where(magnitude == largest, rows, m), axis=0)
+        step_of_row = jnp.where(rows == first, j, step_of_row)
+        pivot_row = row_of_step(augmented, step_of_row, j)
+        pivot = lax.dynamic_index_in_dim(pivot_row, j, keepdims=False)
+        below = unused & (rows != first)
+        factors = jnp.where(below, column / jnp.where(pivot != 0, pivot, 1), 0)
+        augmented = augmented - factors[:, None] * pivot_row[None]
+        return augmented, step_of_row, jnp.minimum(smallest, jnp.abs(pivot))
+
+    def substitute(i, solution):
+        j = m - 1 - i
+        row = row_of_step(augmented, step_of_row, j)
+        # The unknowns after `j` are known, those before still 0.
+        known = jnp.sum(row[:m, None] * solution, axis=0)
+        value = (row[m:] - known) / lax.dynamic_index_in_dim(row, j, keepdims=False)
+        return lax.dynamic_update_index_in_dim(solution, value, j, axis=0)
+
+    init = (
+        augmented,
+        jnp.full(augmented.shape[::2], -1, jnp.int32),
+        jnp.full(augmented.shape[-1:], jnp.inf, matrix.dtype),
+    )
+    augmented, step_of_row, smallest = lax.fori_loop(0, m, eliminate, init)
+    solution = lax.fori_loop(0, m, substitute, jnp.zeros_like(augmented[:, m:]))
+    solution = jnp.moveaxis(solution, -1, 0).reshape(*batch, m, s)
+    tolerance = m * jnp.finfo(matrix.dtype).eps * _entry_scale(matrix)
+    singular = smallest.reshape(batch) <= tolerance
+    return solution, singular | ~jnp.all(jnp.isfinite(solution), axis=(-2, -1))
+
+
 def solves_by_elimination() -> bool:
     """Whether systems are solved by `_eliminate_solve` rather than an LU
     factorisation: on the CPU, where the factorisation is jaxlib's LAPACK kernel,
@@ -103,6 +160,8 @@ def solves_by_elimination() -> bool:
 
 
 def _solve(matrix, rhs):
+    if jax.default_backend() == "tpu":
+        return _eliminate_in_lanes(matrix, rhs)
     if not solves_by_elimination():
         return _lu_solve(matrix, rhs)
     solve = _eliminate_solve
