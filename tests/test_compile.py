@@ -84,3 +84,50 @@ def _graph_sizes(n):
 def test_graph_programs_do_not_grow_with_n():
     # (Below ~1e3 points the lanes are vmapped queries: another, smaller program.)
     assert _graph_sizes(10_000) == _graph_sizes(100_000) == _graph_sizes(1_000_000)
+
+
+def _wide_integer_equations(jaxpr) -> list[str]:
+    """The primitives of a jaxpr (and its inner jaxprs) with a 64-bit integer
+    output."""
+    found = []
+    for equation in jaxpr.eqns:
+        if any(
+            getattr(v.aval, "dtype", None) in (jnp.int64, jnp.uint64)
+            for v in equation.outvars
+        ):
+            found.append(equation.primitive.name)
+        for param in equation.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    found += _wide_integer_equations(inner)
+    return found
+
+
+def test_programs_for_a_tpu_hold_no_64_bit_integers(monkeypatch):
+    """A TPU emulates 64-bit integers (seconds of compile an operation, and long
+    divisions): the build, the queries and the graphs traced as for a TPU sort by
+    32-bit keys instead. (On the CPU they pack keys into 64 bits, which the check
+    would find.)"""
+    points = jnp.asarray(np.random.default_rng(0).random((1000, 3)), jnp.float32)
+    programs = [
+        lambda p: kdeqx.KDTree(p, engine="blocks"),
+        lambda p: kdeqx.KDTree(p, engine="blocks").query(p[:100], k=8),
+        lambda p: kdeqx.KDTree(p, engine="blocks").query_pairs(0.05, max_pairs=10**4),
+        lambda p: kdeqx.radius_graph(p, 0.1, 10**5, cell=np.ones(3), engine="blocks"),
+    ]
+    jax.clear_caches()  # no program traced for the CPU reused
+    try:
+        for backend in ("cpu", "tpu"):
+            monkeypatch.setattr(jax, "default_backend", lambda: backend)
+            found = [
+                _wide_integer_equations(jax.make_jaxpr(f)(points).jaxpr)
+                for f in programs
+            ]
+            if backend == "tpu":
+                assert found == [[]] * len(programs)
+            else:  # the check finds what it looks for
+                assert all(found)
+            jax.clear_caches()
+    finally:
+        jax.clear_caches()  # nor any traced for the TPU reused later
