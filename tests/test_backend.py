@@ -1,8 +1,6 @@
 """Backend tricks against their plain-JAX references, and the internals they serve
 (the k-best merge, Morton codes) against numpy, so a failure points at one function."""
 
-import functools as ft
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,14 +34,10 @@ def _float32_with_edge_cases(rng, m):
     return rng.permutation(values)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "tpu"])
 @pytest.mark.parametrize("m", [0, 1, 7, 1000])
-def test_argsort_keys_is_a_stable_argsort(m, backend):
-    """Both ways: packed 64-bit keys, and (on a TPU) two 32-bit keys."""
-    keys = np.random.default_rng(m).integers(0, 5, m)
-    keys[: m // 2] = 2**32 - 1 - keys[: m // 2]  # the top bit set too
-    keys = jnp.asarray(keys, jnp.uint32)
-    ours = jax.jit(ft.partial(_backend.argsort_keys, backend=backend))(keys)
+def test_argsort_keys_is_a_stable_argsort(m):
+    keys = jnp.asarray(np.random.default_rng(m).integers(0, 5, m), jnp.uint32)
+    ours = jax.jit(_backend.argsort_keys)(keys)
     reference = _backend.argsort_keys_reference(keys)
     np.testing.assert_array_equal(ours, reference)
     np.testing.assert_array_equal(ours, np.argsort(np.asarray(keys), stable=True))

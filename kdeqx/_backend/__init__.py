@@ -92,7 +92,6 @@ from ._scatters import (
 from ._sorting import (
     argsort_keys as argsort_keys,
     argsort_keys_reference as argsort_keys_reference,
-    emulates_wide_integers as emulates_wide_integers,
     enable_x64_locally as enable_x64_locally,
     float32_sort_keys as float32_sort_keys,
     radix_order as radix_order,

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from .._custom_types import Array, Bool, Float, Int, UInt
 from ._scatters import picked_where
-from ._sorting import emulates_wide_integers, enable_x64_locally
+from ._sorting import enable_x64_locally
 
 
 def lexicographic_less(d2_a, index_a, d2_b, index_b):
@@ -156,9 +156,7 @@ def sort_pairs(
 ) -> tuple[Float[Array, "*batch m"], Int[Array, "*batch m"]]:
     """Sorts each row of `(d2 >= 0, index >= -1)` pairs lexicographically: one sort of
     packed uint64 keys where the pairs fit, which XLA:CPU sorts several times faster
-    than a two-key sort (not where 64-bit integers are emulated)."""
-    if emulates_wide_integers():
-        return sort_pairs_reference(d2, indices)
+    than a two-key sort."""
     if not packs_pairs(d2.dtype, indices.dtype):
         if jnp.dtype(d2.dtype).itemsize == 8 and d2.shape[-1] < 2**32:
             return _sort_wide_pairs(d2, indices)
@@ -174,10 +172,8 @@ def sort_index_pairs(
 ) -> tuple[Int[Array, " m"], Int[Array, " m"]]:
     """Sorts `(row, col)` pairs of non-negative 32-bit indices by row, then column:
     one sort of packed uint64 keys (several times faster on XLA:CPU than a two-key
-    sort; not where 64-bit integers are emulated)."""
-    if emulates_wide_integers() or any(
-        jnp.dtype(a.dtype).itemsize != 4 for a in (rows, cols)
-    ):
+    sort)."""
+    if jnp.dtype(rows.dtype).itemsize != 4 or jnp.dtype(cols.dtype).itemsize != 4:
         return sort_index_pairs_reference(rows, cols)
     with enable_x64_locally():
         high, low = (
@@ -212,9 +208,8 @@ def sort_edges(
 ) -> tuple[Int[Array, " m"], Int[Array, " m"], Int[Array, " m"]]:
     """Sorts edges by sender, then receiver, then image (`0 <= senders, receivers <
     nodes`, `0 <= images < image_count`): one sort of mixed-radix uint64 keys where
-    they fit, as `sort_index_pairs`. Where 64-bit integers are emulated, whose
-    divisions are long sequences, the edges are sorted by three 32-bit keys."""
-    if emulates_wide_integers() or nodes * nodes * image_count >= 2**64:
+    they fit, as `sort_index_pairs`."""
+    if nodes * nodes * image_count >= 2**64:
         return sort_edges_reference(senders, receivers, images)
     with enable_x64_locally():
         wide = [a.astype(jnp.uint64) for a in (senders, receivers, images)]

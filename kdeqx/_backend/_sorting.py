@@ -32,23 +32,15 @@ def float32_sort_keys(values: Float[Array, "*shape"]) -> UInt[Array, "*shape"]:
     return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
 
 
-def argsort_keys(
-    keys: UInt[Array, " m"], backend: str | None = None
-) -> Int[Array, " m"] | UInt[Array, " m"]:
+def argsort_keys(keys: UInt[Array, " m"]) -> Int[Array, " m"] | UInt[Array, " m"]:
     """A stable argsort of uint32 `keys` (ties by position): a 32-bit key and a 32-bit
     position packed into one uint64 and sorted together. The packed keys are unique,
     so XLA's unstable sort serves: on XLA:CPU it is much faster on keys that are
-    mostly in order already, and no slower on random ones.
-
-    Where 64-bit integers are emulated (`emulates_wide_integers`), the key and
-    the position are sorted as two 32-bit keys.
-    """
+    mostly in order already, and no slower on random ones."""
     m = keys.shape[0]
     if m > 2**32:  # positions would not fit in 32 bits
         return argsort_keys_reference(keys)
     position = jnp.arange(m, dtype=jnp.uint32)
-    if emulates_wide_integers(backend):
-        return lax.sort((keys, position), num_keys=2, is_stable=False)[1]
     with enable_x64_locally():
         packed = keys.astype(jnp.uint64) << 32 | position.astype(jnp.uint64)
         return lax.sort(packed, is_stable=False).astype(jnp.uint32)
@@ -137,15 +129,6 @@ def redone_in_groups(redo: Bool[Array, " q"], group: int, redo_rows, states, car
     start = (jnp.zeros((), index_dtype), states, carry)
     _, states, carry = lax.while_loop(lambda c: c[0] * group < count, one_group, start)
     return states, carry
-
-
-def emulates_wide_integers(backend: str | None = None) -> bool:
-    """Whether 64-bit integers are emulated, on a TPU: each of their operations
-    becomes several 32-bit ones, which cost its compiler seconds each (see
-    `kdeqx._engine._merge`), and a division many. Sorts there take several 32-bit
-    keys rather than one packed 64-bit key. `backend` defaults to
-    `jax.default_backend()`."""
-    return (jax.default_backend() if backend is None else backend) == "tpu"
 
 
 def sorts_compile_slowly(backend: str | None = None) -> bool:
