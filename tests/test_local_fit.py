@@ -293,6 +293,38 @@ def test_rbf_k_beyond_n_uses_every_point():
     np.testing.assert_allclose(out, expected, rtol=1e-10)
 
 
+@pytest.mark.x64
+def test_rbf_with_the_tpus_solver_matches_scipy_and_its_gradients(monkeypatch):
+    """The whole fit with its systems solved along the lanes (a TPU's way), on the
+    CPU: scipy's answer, the duplicates' systems regularised to the mean of their
+    values, and gradients equal to those of the CPU's elimination."""
+    from kdeqx._interpolation import _dense
+
+    points, values, x = _data(2, n=60)
+    points = np.concatenate([points, points[:5]])
+    values = np.concatenate([values, values[:5] + 1.0])
+    tree = kdeqx.KDTree(points)
+
+    def loss(x, values):
+        return jnp.sum(tree.interpolate(x, values, k=10, kernel="rbf") ** 2)
+
+    args = (jnp.asarray(x), jnp.asarray(values))
+    cpu_grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(*args)
+    jax.clear_caches()  # the solver is chosen when traced
+    monkeypatch.setattr(_dense, "solves_in_lanes", lambda: True)
+    try:
+        out = tree.interpolate(x, values, k=10, kernel="rbf", smoothing=0.1)
+        expected = RBFInterpolator(points, values, neighbors=10, smoothing=0.1)(x)
+        np.testing.assert_allclose(out, expected, rtol=1e-9)
+        at_duplicates = tree.interpolate(points[:5], values, k=10, kernel="rbf")
+        np.testing.assert_allclose(at_duplicates, values[:5] + 0.5, rtol=1e-6)
+        lanes_grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(*args)
+        for lanes, cpu in zip(lanes_grads, cpu_grads, strict=True):
+            np.testing.assert_allclose(lanes, cpu, rtol=1e-6, atol=1e-9)
+    finally:
+        jax.clear_caches()
+
+
 def test_rbf_float32_close_to_scipy():
     points, values, x = _data(4)
     out = kdeqx.KDTree(points.astype(np.float32)).interpolate(

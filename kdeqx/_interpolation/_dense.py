@@ -159,8 +159,14 @@ def solves_by_elimination() -> bool:
     return jax.default_backend() == "cpu"
 
 
+def solves_in_lanes() -> bool:
+    """Whether systems are solved by `_eliminate_in_lanes`: on a TPU (see the
+    module's docstring)."""
+    return jax.default_backend() == "tpu"
+
+
 def _solve(matrix, rhs):
-    if jax.default_backend() == "tpu":
+    if solves_in_lanes():
         return _eliminate_in_lanes(matrix, rhs)
     if not solves_by_elimination():
         return _lu_solve(matrix, rhs)
