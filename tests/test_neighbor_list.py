@@ -79,6 +79,64 @@ def test_capacity_is_sized_from_the_pairs_found(options):
     assert lonely.max_edges == 1 and int(lonely.edges.count) == 0
 
 
+@pytest.mark.parametrize(
+    "case, searches, counts",
+    [
+        ("uniform in its cell", 1, 0),
+        ("clustered in its cell", 2, 0),
+        ("free space", 1, 0),
+        ("batch", 1, 1),
+    ],
+)
+def test_capacity_guessed_from_the_density(case, searches, counts, monkeypatch):
+    """The pairs are collected into a capacity guessed from the density and cut to
+    size: one search where the guess holds them; where it does not (points crowded
+    into a corner of their cell), that search counts them and a second collects
+    them; without a guess (a batch of systems), a count comes first. The list is
+    the same every way: the radius graph's edges, in the capacity sized from them."""
+    from kdeqx._graph import _neighbor_list
+
+    rng = np.random.default_rng(5)
+    cell = np.diag([4.0, 4.0, 4.0])
+    options = {"cell": cell}
+    y = rng.uniform(0, 4, (64, 3))
+    if case == "clustered in its cell":
+        y = y / 4
+    elif case == "free space":
+        options = {}
+    elif case == "batch":
+        options = {"batch": np.repeat([0, 1], 32)}
+    calls = {"searches": 0, "counts": 0}
+
+    def counted(name, f):
+        def call(*args):
+            calls[name] += 1
+            return f(*args)
+
+        return call
+
+    for name, attribute in [
+        ("searches", "_pairs_in_reach"),
+        ("counts", "_count_in_reach"),
+    ]:
+        f = getattr(_neighbor_list, attribute)
+        monkeypatch.setattr(_neighbor_list, attribute, counted(name, f))
+    neighbours = kdeqx.NeighborList.allocate(y, 0.9, skin=0.3, margin=1.5, **options)
+    assert calls == {"searches": searches, "counts": counts}
+    fresh = kdeqx.radius_graph(y, 1.2, 4000, **options)
+    pairs = int(fresh.count)
+    assert neighbours.max_edges == int(np.ceil(pairs * 1.5)) + 1
+    assert int(neighbours.edges.count) == pairs and not bool(neighbours.overflow)
+    every = np.ones(neighbours.max_edges, bool)
+    assert edges_within(neighbours.edges, every, 64) == edges_within(
+        fresh, fresh.edge_mask(), 64
+    )
+    padding = np.asarray(neighbours.edges.senders) == 64
+    assert padding.sum() == neighbours.max_edges - pairs
+    assert np.all(np.asarray(neighbours.edges.receivers)[padding] == 64)
+    assert np.all(np.isinf(np.asarray(neighbours.edges.distances)[padding]))
+
+
 def test_overflow_is_reported_and_reallocate_makes_room():
     rng = np.random.default_rng(1)
     y = rng.uniform(0, 4, (50, 3)).astype(np.float32)

@@ -755,8 +755,8 @@ def radius_edge_count(
     points, r, cell, segment, counts, self_loops, half, leaf_size, engine="walk"
 ) -> Int[Array, ""]:
     """The number of edges `_radius_graph` finds, without collecting them: a program
-    that compiles faster (a neighbour list's first pass, which sizes its
-    capacity)."""
+    that compiles a little faster (a neighbour list's first pass, which sizes its
+    capacity, where it has no guess of the pairs)."""
     n, d = points.shape
     if n == 0:
         return jnp.zeros((), index_dtype_for(n + 1))

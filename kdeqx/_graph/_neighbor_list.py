@@ -132,16 +132,21 @@ class NeighborList(eqx.Module):
         """`allocate` with checked arguments."""
         n, d = positions.shape
         reach = cutoff + skin
-        if max_edges is None:  # a first pass counts the pairs
-            found = _count_in_reach(
-                positions, reach, cell, segment, counts, half, engine
+
+        def pairs(capacity):
+            return _pairs_in_reach(
+                positions, reach, cell, segment, systems, capacity, counts, half, engine
             )
-            capacity = max(1, math.ceil(int(found) * margin) + 1)
+
+        def count():
+            args = positions, reach, cell, segment, counts, half, engine
+            return _count_in_reach(*args)
+
+        if max_edges is not None:
+            graph = pairs(check_static_int("max_edges", max_edges, 1))
         else:
-            capacity = check_static_int("max_edges", max_edges, 1)
-        graph = _pairs_in_reach(
-            positions, reach, cell, segment, systems, capacity, counts, half, engine
-        )
+            guess = _guessed_pairs(positions, reach, cell, segment, half, margin)
+            graph = _sized(pairs, count, guess, margin, n)
         return cls(
             graph,
             positions,
@@ -282,6 +287,72 @@ class NeighborList(eqx.Module):
 
 
 _LEAF_SIZE = 32  # the trees' default
+
+
+def _sized(pairs, count, guess: int | None, margin: float, n: int) -> NeighborGraph:
+    """`pairs(capacity)` with room for `margin` times the pairs found (at least one
+    more). The pairs are first collected into the capacity `guess`, and the graph is
+    cut or padded to size: one search, and one program to compile, where the guess
+    holds them all (a uniform liquid in its cell). Where it does not, that search
+    has counted them, and a second collects them. Without a guess, `count()` comes
+    first, a program of its own."""
+    if guess is None:
+        found = int(count())
+    else:
+        graph = pairs(guess)
+        found = int(graph.count)
+        if found <= guess:
+            return _with_capacity(graph, _capacity_for(found, margin), n)
+    return pairs(_capacity_for(found, margin))
+
+
+def _capacity_for(found: int, margin: float) -> int:
+    return max(1, math.ceil(found * margin) + 1)
+
+
+def _guessed_pairs(positions, reach, cell, segment, half, margin) -> int | None:
+    """`margin` times the pairs within `reach` of `n` points spread evenly over
+    their cell (periodic along every axis) or, without one, their bounding box; or
+    `None` for systems of a batch and partly periodic cells."""
+    n, d = positions.shape
+    if segment is not None or n < 2:
+        return None
+    if cell is None:
+        extent = jnp.max(positions, axis=0) - jnp.min(positions, axis=0)
+        volume = float(jnp.prod(extent))
+    elif bool(jnp.all(cell.periodic)):
+        volume = abs(float(jnp.linalg.det(cell.lattice[0])))
+    else:
+        return None
+    if not volume > 0:
+        return None
+    ball = math.pi ** (d / 2) / math.gamma(d / 2 + 1) * float(reach) ** d
+    others = n * ball / volume
+    if cell is None:  # no images: at most every other point
+        others = min(others, n - 1)
+    pairs = n * others / (2 if half else 1)
+    return _capacity_for(int(pairs), margin)
+
+
+def _with_capacity(graph: NeighborGraph, capacity: int, n: int) -> NeighborGraph:
+    """`graph`, which holds all its edges, cut or padded to `capacity` edges."""
+    kept = min(capacity, graph.max_edges)
+    extra = capacity - kept
+
+    def sized(a, fill):
+        a = a[:kept]
+        return jnp.concatenate([a, jnp.full((extra, *a.shape[1:]), fill, a.dtype)])
+
+    return eqx.tree_at(
+        lambda g: (g.senders, g.receivers, g.shifts, g.distances),
+        graph,
+        (
+            sized(graph.senders, n),
+            sized(graph.receivers, n),
+            sized(graph.shifts, 0),
+            sized(graph.distances, jnp.inf),
+        ),
+    )
 
 
 def _count_in_reach(positions, reach, cell, segment, images, half, engine):
