@@ -21,7 +21,8 @@ compiles the build and kNN again, apart, and counts the sorts in them;
 `--compile-kernels` compiles the kernels of a kNN tile alone, each beside the way
 it was written before (a reduction with two operands and a comparator against two
 plain ones, rounds unrolled against a loop, 64-bit keys against 32-bit pairs);
-`--profile` prints the operations where a kNN call spends its device time;
+`--profile` prints the operations where a kNN call (with `--part2`: `query_pairs`,
+`knn_graph`, `radius_graph` and the series) spends its device time;
 `--tile-k` times kNN at k from 16 to 128 with a tile's k best by rounds of minima
 and by a sort; `--local-solvers` times the local RBF's systems solved along the
 lanes and by XLA's batched LU. `--part2` times, on the uniform points after the
@@ -210,8 +211,8 @@ def main():
         host = f"scipy workers=-1, {os.cpu_count()} host cores"
         record(f"build {task}", b_best, f"{host}, build", t_build)
         if args.part2:  # on the uniform points only: part 2's targets are there
-            part2(tree, ref, pts, queries, r, int(args.local_queries))
-            liquid(int(args.liquid))
+            part2(tree, ref, pts, queries, r, int(args.local_queries), args.profile)
+            liquid(int(args.liquid), args.profile)
             operator_series(args.series_n, args.profile, args.series_paths)
             break
         first, best, (d, i) = first_and_best(lambda: knn(tree, x_dev))
@@ -334,9 +335,10 @@ def count_ball_point(tree, ref, queries, x_dev, r, task, host):
     record(f"count_ball_point {task}", best_c, host, t_count)
 
 
-def part2(tree, ref, pts, queries, r, local_q):
+def part2(tree, ref, pts, queries, r, local_q, profiled=False):
     """count_neighbors, query_pairs, knn_graph and the local fits on the blocks,
-    beside scipy on the host cores."""
+    beside scipy on the host cores (with `profiled`, where the pairs' and the
+    graph's device time goes)."""
     other = cKDTree(queries)
     radii = np.array([r / 2, r, 2 * r])
     t_pairs, want = host_best(lambda: ref.count_neighbors(other, radii), repeats=1)
@@ -369,6 +371,8 @@ def part2(tree, ref, pts, queries, r, local_q):
         f"({t_list:.4f} s); equal {np.array_equal(found, expected[order])}"
     )
     record(f"query_pairs 10 a point, n={n:.0e}", best, f"{host}, ndarray", t_list)
+    if profiled:
+        profile("query_pairs", lambda: self_pairs(tree), calls=1)
     p_dev = jnp.asarray(pts)
     t_graph, _ = host_best(lambda: ref.query(pts, k=17, workers=-1), repeats=1)
     graph = jax.jit(lambda p: kdeqx.knn_graph(p, 16, engine="blocks"))
@@ -379,6 +383,8 @@ def part2(tree, ref, pts, queries, r, local_q):
     )
     workers = f"scipy workers=-1, {os.cpu_count()} host cores, query(k=17)"
     record(f"knn_graph k=16, n={n:.0e}", best, workers, t_graph)
+    if profiled:
+        profile("knn_graph", lambda: graph(p_dev), calls=1)
     from scipy.interpolate import RBFInterpolator
 
     values = np.sin(6 * pts[:, 0]) * np.cos(4 * pts[:, 1])
@@ -443,7 +449,7 @@ def local_solvers(tree, pts, x):
         _dense._eliminate_in_lanes = lanes
 
 
-def liquid(n, density=0.8, r=2.285):
+def liquid(n, profiled=False, density=0.8, r=2.285):
     """`radius_graph` and `NeighborList.update` on the blocks over a periodic liquid
     (about 50 neighbours each), beside scipy's periodic `query_pairs`."""
     rng = np.random.default_rng(1)
@@ -469,6 +475,8 @@ def liquid(n, density=0.8, r=2.285):
     record(
         f"radius_graph periodic liquid, n={n:.0e}, blocks engine", best, peer, t_pairs
     )
+    if profiled:
+        profile("radius_graph", lambda: graph(x_dev), calls=1)
     start = time.perf_counter()
     nl = kdeqx.NeighborList.allocate(x, r, skin=0.3, cell=cell, engine="blocks")
     allocated = time.perf_counter() - start
