@@ -59,11 +59,41 @@ import kdeqx
 from kdeqx._backend import _lanes
 
 
+# JAX's durations of tracing, lowering and compiling, by its monitoring events.
+_STAGES = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+    "/jax/core/compile/backend_compile_duration": "compile",
+}
+_stage_seconds: list[tuple[str, float]] = []
+
+
+def _on_duration(event: str, seconds: float, **_):
+    if event in _STAGES:
+        _stage_seconds.append((_STAGES[event], seconds))
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
 def first_and_best(fn, repeats=3):
-    """Seconds of the first call, the best of `repeats` more, and the answer."""
+    """Seconds of the first call, the best of `repeats` more, and the answer. A
+    first call that compiled for more than a second also prints where its time
+    went: tracing, lowering, and compiling (how many programs, the longest)."""
+    _stage_seconds.clear()
     start = time.perf_counter()
     out = jax.block_until_ready(fn())
     first = time.perf_counter() - start
+    stages = {name: 0.0 for name in _STAGES.values()}
+    for name, seconds in _stage_seconds:
+        stages[name] += seconds
+    compiles = [seconds for name, seconds in _stage_seconds if name == "compile"]
+    if stages["compile"] > 1:
+        print(
+            f"  (first call {first:.2f} s: trace {stages['trace']:.2f} s, lower "
+            f"{stages['lower']:.2f} s, compile {stages['compile']:.2f} s; programs "
+            f"compiled {len(compiles)}, the longest {max(compiles):.2f} s)"
+        )
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()

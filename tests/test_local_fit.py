@@ -476,8 +476,8 @@ def test_mls_value_and_gradient_are_continuous(d):
 
         # Fine enough to resolve the gradient's steepest turns (where a point enters
         # the support of a small neighbourhood), which are steep but continuous.
-        lines = line(5_000), line(50_000)
-        return _largest_steps(f, lines, gradients=kernel == "mls")
+        lines = line(2_000), line(20_000)
+        return _largest_steps(f, lines, gradients=kernel == "mls", chunk=2_000)
 
     coarse, fine = steps("mls")
     for coarse_step, fine_step in zip(coarse, fine):
