@@ -68,9 +68,9 @@ _STAGES = {
 _stage_seconds: list[tuple[str, float]] = []
 
 
-def _on_duration(event: str, seconds: float, **_):
+def _on_duration(event: str, duration_secs: float, **_):
     if event in _STAGES:
-        _stage_seconds.append((_STAGES[event], seconds))
+        _stage_seconds.append((_STAGES[event], duration_secs))
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_duration)
