@@ -85,15 +85,18 @@ def test_capacity_is_sized_from_the_pairs_found(options):
         ("uniform in its cell", 1, 0),
         ("clustered in its cell", 2, 0),
         ("free space", 1, 0),
-        ("batch", 1, 1),
+        ("batch", 1, 0),
+        ("a cell per system", 1, 0),
+        ("periodic along two axes", 1, 1),
     ],
 )
 def test_capacity_guessed_from_the_density(case, searches, counts, monkeypatch):
-    """The pairs are collected into a capacity guessed from the density and cut to
-    size: one search where the guess holds them; where it does not (points crowded
-    into a corner of their cell), that search counts them and a second collects
-    them; without a guess (a batch of systems), a count comes first. The list is
-    the same every way: the radius graph's edges, in the capacity sized from them."""
+    """The pairs are collected into a capacity guessed from the density (of each
+    system of a batch) and cut to size: one search where the guess holds them;
+    where it does not (points crowded into a corner of their cell), that search
+    counts them and a second collects them; without a guess (a cell periodic along
+    some axes only), a count comes first. The list is the same every way: the radius
+    graph's edges, in the capacity sized from them."""
     from kdeqx._graph import _neighbor_list
 
     rng = np.random.default_rng(5)
@@ -106,6 +109,12 @@ def test_capacity_guessed_from_the_density(case, searches, counts, monkeypatch):
         options = {}
     elif case == "batch":
         options = {"batch": np.repeat([0, 1], 32)}
+    elif case == "a cell per system":
+        y[32:] *= 1.25
+        cells = np.stack([cell, 1.25 * cell])
+        options = {"cell": cells, "batch": np.repeat([0, 1], 32)}
+    elif case == "periodic along two axes":
+        options = {"cell": cell, "pbc": (True, True, False)}
     calls = {"searches": 0, "counts": 0}
 
     def counted(name, f):

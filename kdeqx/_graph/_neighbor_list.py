@@ -7,6 +7,7 @@ import math
 import equinox as eqx
 import jax.lax as lax
 import jax.numpy as jnp
+import numpy as np
 
 from .._custom_types import Array, ArrayLike, Bool, Float, Int
 from .._engine._search import rows_at
@@ -294,8 +295,8 @@ def _sized(pairs, count, guess: int | None, margin: float, n: int) -> NeighborGr
     more). The pairs are first collected into the capacity `guess`, and the graph is
     cut or padded to size: one search, and one program to compile, where the guess
     holds them all (a uniform liquid in its cell). Where it does not, that search
-    has counted them, and a second collects them. Without a guess, `count()` comes
-    first, a program of its own."""
+    has counted them, and a second collects them. Without a guess (partly periodic
+    cells), `count()` comes first, a program of its own."""
     if guess is None:
         found = int(count())
     else:
@@ -311,26 +312,35 @@ def _capacity_for(found: int, margin: float) -> int:
 
 
 def _guessed_pairs(positions, reach, cell, segment, half, margin) -> int | None:
-    """`margin` times the pairs within `reach` of `n` points spread evenly over
-    their cell (periodic along every axis) or, without one, their bounding box; or
-    `None` for systems of a batch and partly periodic cells."""
+    """`margin` times the pairs within `reach` of points spread evenly over their
+    cell (periodic along every axis) or, without one, their bounding box, summed
+    over the systems of a batch; `None` for partly periodic cells, and where some
+    system's points span no volume."""
     n, d = positions.shape
-    if segment is not None or n < 2:
+    if n < 2 or (cell is not None and not bool(jnp.all(cell.periodic))):
         return None
+    ids = np.zeros(n, np.int64) if segment is None else np.asarray(segment)
+    systems, system_of_point, sizes = np.unique(
+        ids, return_inverse=True, return_counts=True
+    )
     if cell is None:
-        extent = jnp.max(positions, axis=0) - jnp.min(positions, axis=0)
-        volume = float(jnp.prod(extent))
-    elif bool(jnp.all(cell.periodic)):
-        volume = abs(float(jnp.linalg.det(cell.lattice[0])))
+        x = np.asarray(positions, np.float64)
+        lo = np.full((len(systems), d), np.inf)
+        hi = np.full((len(systems), d), -np.inf)
+        np.minimum.at(lo, system_of_point, x)
+        np.maximum.at(hi, system_of_point, x)
+        volumes = np.prod(hi - lo, axis=1)
     else:
-        return None
-    if not volume > 0:
+        volumes = np.abs(np.linalg.det(np.asarray(cell.lattice, np.float64)))
+        volumes = volumes[systems if cell.per_system else np.zeros_like(systems)]
+    paired = sizes > 1  # a lone point has no pairs, whatever its volume
+    if not np.all(volumes[paired] > 0):
         return None
     ball = math.pi ** (d / 2) / math.gamma(d / 2 + 1) * float(reach) ** d
-    others = n * ball / volume
+    others = sizes[paired] * ball / volumes[paired]
     if cell is None:  # no images: at most every other point
-        others = min(others, n - 1)
-    pairs = n * others / (2 if half else 1)
+        others = np.minimum(others, sizes[paired] - 1)
+    pairs = np.sum(sizes[paired] * others) / (2 if half else 1)
     return _capacity_for(int(pairs), margin)
 
 
