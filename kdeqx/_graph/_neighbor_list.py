@@ -140,13 +140,14 @@ class NeighborList(eqx.Module):
             )
 
         def count():
-            args = positions, reach, cell, segment, counts, half, engine
-            return _count_in_reach(*args)
+            return _count_in_reach(
+                positions, reach, cell, segment, counts, half, engine
+            )
 
         if max_edges is not None:
             graph = pairs(check_static_int("max_edges", max_edges, 1))
         else:
-            guess = _guessed_pairs(positions, reach, cell, segment, half, margin)
+            guess = _guessed_capacity(positions, reach, cell, segment, half, margin)
             graph = _sized(pairs, count, guess, margin, n)
         return cls(
             graph,
@@ -311,11 +312,11 @@ def _capacity_for(found: int, margin: float) -> int:
     return max(1, math.ceil(found * margin) + 1)
 
 
-def _guessed_pairs(positions, reach, cell, segment, half, margin) -> int | None:
-    """`margin` times the pairs within `reach` of points spread evenly over their
-    cell (periodic along every axis) or, without one, their bounding box, summed
-    over the systems of a batch; `None` for partly periodic cells, and where some
-    system's points span no volume."""
+def _guessed_capacity(positions, reach, cell, segment, half, margin) -> int | None:
+    """The capacity for `margin` times the pairs within `reach` of points spread
+    evenly over their cell (periodic along every axis) or, without one, their
+    bounding box, summed over the systems of a batch; `None` for partly periodic
+    cells, and where some system's points span no volume."""
     n, d = positions.shape
     if n < 2 or (cell is not None and not bool(jnp.all(cell.periodic))):
         return None
