@@ -1,6 +1,8 @@
 """Backend tricks against their plain-JAX references, and the internals they serve
 (the k-best merge, Morton codes) against numpy, so a failure points at one function."""
 
+import functools as ft
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -252,6 +254,23 @@ def test_gather_clamped_clamps_out_of_range_indices():
     ours = jax.jit(_backend.gather_clamped)(array, index)
     np.testing.assert_array_equal(ours, _backend.gather_clamped_reference(array, index))
     np.testing.assert_array_equal(ours, np.asarray(array)[np.clip(index, 0, 4)])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "tpu"])
+def test_axes_at_are_the_columns_at_the_rows(backend):
+    values = jnp.asarray(np.random.default_rng(0).random((7, 3)), jnp.float32)
+    index = jnp.asarray([[0, 6, 3], [2, 2, 7]], jnp.int32)  # 7: out of range
+    ours = jax.jit(ft.partial(_backend.axes_at, backend=backend))(values, index)
+    reference = _backend.axes_at_reference(values, index)
+    inside = np.asarray(index) < 7
+    for axis, (a, b) in enumerate(zip(ours, reference, strict=True)):
+        assert a.shape == index.shape
+        want = np.asarray(values)[np.minimum(np.asarray(index), 6), axis]
+        np.testing.assert_array_equal(np.asarray(a)[inside], want[inside])
+        np.testing.assert_array_equal(a, b)
+        assert np.all(np.isfinite(a))
+    empty = _backend.axes_at(jnp.zeros((0, 2)), index, backend=backend)
+    assert [a.shape for a in empty] == [index.shape] * 2
 
 
 @pytest.mark.parametrize(

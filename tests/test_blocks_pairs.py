@@ -11,6 +11,7 @@ from scipy.spatial import cKDTree
 
 import kdeqx
 from kdeqx import _backend
+from kdeqx._backend import _scatters
 from kdeqx._engine import _traverse
 from kdeqx._engine._traverse import ROW_SLOTS, Sink
 
@@ -382,6 +383,7 @@ def test_graphs_and_pairs_by_the_tpus_appends_equal_the_walk(monkeypatch, reques
     """The block engine's graphs and pairs with records appended the TPU's way (on
     the CPU): the walk's edges and scipy's pairs."""
     monkeypatch.setattr(_traverse, "scatters_element_by_element", lambda b=None: True)
+    monkeypatch.setattr(_scatters, "gathers_rows_faster", lambda b=None: True)
     jax.clear_caches()  # read when a query is traced
     request.addfinalizer(jax.clear_caches)
     rng = np.random.default_rng(16)
@@ -398,3 +400,11 @@ def test_graphs_and_pairs_by_the_tpus_appends_equal_the_walk(monkeypatch, reques
     want = cKDTree(x).query_pairs(0.5, output_type="ndarray")
     assert int(count) == len(want)
     np.testing.assert_array_equal(pairs[: int(count)], want[np.lexsort(want.T[::-1])])
+    # Over capacity: the true count, and as many of scipy's pairs as fit.
+    pairs, distances, count = tree.query_pairs(0.5, max_pairs=len(want) // 3)
+    assert int(count) == len(want)
+    assert set(map(tuple, np.asarray(pairs).tolist())) <= set(map(tuple, want.tolist()))
+    assert len(set(map(tuple, np.asarray(pairs).tolist()))) == len(want) // 3
+    np.testing.assert_allclose(
+        distances, np.linalg.norm(x[pairs[:, 0]] - x[pairs[:, 1]], axis=1), rtol=1e-6
+    )

@@ -80,9 +80,12 @@ from ._reductions import (
 from ._scatters import (
     append_in_order as append_in_order,
     append_in_order_reference as append_in_order_reference,
+    axes_at as axes_at,
+    axes_at_reference as axes_at_reference,
     flags_before as flags_before,
     gather_clamped as gather_clamped,
     gather_clamped_reference as gather_clamped_reference,
+    gathers_rows_faster as gathers_rows_faster,
     move_rows as move_rows,
     move_rows_in_place as move_rows_in_place,
     move_rows_reference as move_rows_reference,

@@ -74,6 +74,38 @@ def gather_clamped_reference(array: Array, index: Int[Array, "..."]) -> Array:
     return array[jnp.clip(index, 0, array.shape[0] - 1)]
 
 
+def axes_at(values: Array, indices: Int[Array, "..."], backend: str | None = None):
+    """The columns of `values` (`(n, d)`) at rows `indices`, one array per axis
+    shaped as `indices` (a finite row wherever `indices` is out of range; zeros
+    when `n = 0`).
+
+    On a TPU by one gather of whole rows, which it runs several times faster than
+    one gather of scalars per axis; elsewhere column by column, which XLA:CPU runs
+    faster than a gather of short rows (see `benchmarks/gathers.py`). `backend`
+    defaults to `jax.default_backend()`."""
+    n, d = values.shape
+    if n == 0:
+        return [jnp.zeros(indices.shape, values.dtype) for _ in range(d)]
+    if not gathers_rows_faster(backend):
+        return axes_at_reference(values, indices)
+    rows = gather_clamped(values, indices)
+    return [rows[..., axis] for axis in range(d)]
+
+
+def axes_at_reference(values, indices):
+    n, d = values.shape
+    if n == 0:
+        return [jnp.zeros(indices.shape, values.dtype) for _ in range(d)]
+    return [gather_clamped(values[:, axis], indices) for axis in range(d)]
+
+
+def gathers_rows_faster(backend: str | None = None) -> bool:
+    """Whether a gather of `(m, d)` rows runs several times faster than `d` gathers
+    of `m` scalars: on a TPU (see `benchmarks/gathers.py`). `backend` defaults to
+    `jax.default_backend()`."""
+    return (jax.default_backend() if backend is None else backend) == "tpu"
+
+
 def scatters_element_by_element(backend: str | None = None) -> bool:
     """Whether a scatter costs about as much for each of its updates, written or
     dropped, as a kernel's step: on a TPU (see `benchmarks/accelerator.py`).

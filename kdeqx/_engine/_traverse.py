@@ -205,9 +205,11 @@ class Sink(eqx.Module):
         A TPU scatters element by element, each flag's entry costing as much as a
         record, so there each row's records are first picked into `ROW_SLOTS`
         slots by compares and reductions, as many slots a round as it takes (see
-        `benchmarks/accelerator.py`, `radius_graph` over a periodic liquid).
-        Elsewhere [`Sink.appended`][]. `backend` defaults to
-        `jax.default_backend()`.
+        `benchmarks/accelerator.py`, `radius_graph` over a periodic liquid). Most
+        rows fill one round, so every row takes the first round and only the rows
+        with more records take the later ones, gathered `1 / LATER_FRACTION` of the
+        rows at a time (`_picked_in_rounds`). Elsewhere [`Sink.appended`][].
+        `backend` defaults to `jax.default_backend()`.
         """
         size = emits.shape[-1]
         if not scatters_element_by_element(backend) or size <= ROW_SLOTS:
@@ -216,21 +218,7 @@ class Sink(eqx.Module):
         values = jax.tree.map(
             lambda a: a.reshape(*flags.shape, *a.shape[emits.ndim :]), records
         )
-        rank = jnp.cumsum(flags, axis=1, dtype=jnp.int32) - 1
-        in_row = jnp.sum(flags, axis=1, dtype=jnp.int32)
-        slots = np.arange(ROW_SLOTS, dtype=np.int32)
-
-        def one_round(carry):
-            r, sink = carry
-            wanted = r * ROW_SLOTS + slots
-            hits = flags[:, :, None] & (rank[:, :, None] == wanted)
-            picked = jax.tree.map(lambda a: _picked(hits, a), values)
-            return r + 1, sink._stored(wanted < in_row[:, None], picked)
-
-        rounds = -(-jnp.max(in_row) // ROW_SLOTS)
-        start = (jnp.zeros((), jnp.int32), self)
-        _, sink = lax.while_loop(lambda c: c[0] < rounds, one_round, start)
-        return sink._counted(emits, weights)
+        return _picked_in_rounds(self, flags, values)._counted(emits, weights)
 
     def _stored(self, emits, records) -> "Sink":
         """The records where `emits` is set stored, while there is room."""
@@ -261,8 +249,80 @@ class Sink(eqx.Module):
         return Sink(self.records, written, self.stored)
 
 
-# Rows of a tile pick their records into this many slots a round (on a TPU).
+# Rows of a tile pick their records into this many slots a round (on a TPU); the
+# later rounds take the rows with more records, this fraction of all rows at a time.
 ROW_SLOTS = 16
+LATER_FRACTION = 8
+
+
+def _picked_in_rounds(sink: Sink, flags: Bool[Array, "rows size"], values) -> Sink:
+    """`sink` with the records (`values`, `(rows, size, ...)`) where `flags` is set
+    stored, each row's picked `ROW_SLOTS` at a time by compares.
+
+    One loop of steps, each a batch of `rows // LATER_FRACTION` rows and one round
+    of slots: first every row, a batch at a time, in its first round; then the rows
+    with more records than it holds, gathered a batch at a time, in as many rounds
+    as the batch needs. A step's scatter then writes about as many slots as there
+    are records, where a round over every row wrote `ROW_SLOTS` for each row."""
+    rows = flags.shape[0]
+    if rows == 0:
+        return sink
+    index_dtype = jnp.int32
+    rank = jnp.cumsum(flags, axis=1, dtype=index_dtype) - 1
+    in_row = jnp.sum(flags, axis=1, dtype=index_dtype)
+    batch = max(1, -(-rows // LATER_FRACTION))
+    first_batches = -(-rows // batch)
+    # The rows of the first rounds in order, then those with more records.
+    more = in_row > ROW_SLOTS
+    later = jnp.where(more, jnp.cumsum(more, dtype=index_dtype) - 1, rows)
+    positions = jnp.arange(rows, dtype=index_dtype)
+    later_rows = jnp.full(rows, rows, index_dtype).at[later].set(positions, mode="drop")
+    order = jnp.concatenate(
+        [
+            positions,
+            jnp.full(first_batches * batch - rows, rows, index_dtype),
+            later_rows,
+            jnp.full(-rows % batch, rows, index_dtype),
+        ]
+    )
+    batches = first_batches + -(-jnp.sum(more, dtype=index_dtype) // batch)
+    slots = np.arange(ROW_SLOTS, dtype=np.int32)
+
+    def rounds_of(b) -> tuple[Array, Array, Array]:
+        """Batch `b`'s rows (`rows` for none) and its first and last round."""
+        some = lax.dynamic_slice_in_dim(order, b * batch, batch)
+        counts = jnp.where(some < rows, gather_clamped(in_row, some), 0)
+        last = jnp.maximum(1, -(-jnp.max(counts) // ROW_SLOTS)) - 1
+        first_round = b < first_batches
+        return some, jnp.where(first_round, 0, 1), jnp.where(first_round, 0, last)
+
+    def one_step(carry):
+        b, r, some, last, sink = carry
+        real = (some < rows)[:, None]
+        wanted = r * ROW_SLOTS + slots
+        taken = gather_clamped(flags, some) & real
+        hits = taken[:, :, None] & (gather_clamped(rank, some)[:, :, None] == wanted)
+        picked = jax.tree.map(lambda a: _picked(hits, gather_clamped(a, some)), values)
+        counts = jnp.where(real[:, 0], gather_clamped(in_row, some), 0)
+        sink = sink._stored(wanted < counts[:, None], picked)
+        # On to the batch's next round, or to the next batch.
+        done = r >= last
+        b = jnp.where(done, b + 1, b)
+        next_some, next_first, next_last = rounds_of(b)
+        return (
+            b,
+            jnp.where(done, next_first, r + 1),
+            jnp.where(done, next_some, some),
+            jnp.where(done, next_last, last),
+            sink,
+        )
+
+    zero = jnp.zeros((), index_dtype)
+    some, _, last = rounds_of(zero)
+    _, _, _, _, sink = lax.while_loop(
+        lambda c: c[0] < batches, one_step, (zero, zero, some, last, sink)
+    )
+    return sink
 
 
 def _picked(hits: Bool[Array, "rows size slots"], values: Array) -> Array:

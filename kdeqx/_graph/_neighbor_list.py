@@ -9,8 +9,8 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 
+from .._backend import axes_at
 from .._custom_types import Array, ArrayLike, Bool, Float, Int
-from .._engine._search import rows_at
 from .._tree._tree import check_engine, check_points
 from .._validate import as_float_array, check_finite, check_positive, check_static_int
 from ._cell import Cell, image_counts
@@ -272,11 +272,9 @@ class NeighborList(eqx.Module):
         valid = edges.senders < positions.shape[0]
 
         def followed_shifts():
-            moved = [
-                rows_at(change[:, a], edges.senders)
-                - rows_at(change[:, a], edges.receivers)
-                for a in range(change.shape[1])
-            ]
+            at_senders = axes_at(change, edges.senders)
+            at_receivers = axes_at(change, edges.receivers)
+            moved = [a - b for a, b in zip(at_senders, at_receivers, strict=True)]
             return edges.shifts + jnp.where(valid[:, None], jnp.stack(moved, -1), 0)
 
         # Wraps are rare between two steps: the shifts mostly stay as they are.

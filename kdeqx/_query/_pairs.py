@@ -14,7 +14,7 @@ import jax
 import jax.lax as lax
 import jax.numpy as jnp
 
-from .._backend import sort_index_pairs
+from .._backend import axes_at, sort_index_pairs
 from .._backend._mesh import split_sum_over_cpu_devices
 from .._custom_types import Array, Bool, Float, Int
 from .._engine._base import AbstractSearchTree
@@ -304,8 +304,10 @@ def _distances_within(tree: AbstractSearchTree, rows, cols, metric: Minkowski):
     cannot overflow, and differentiable as `neighbour_distances`."""
     searched = lax.stop_gradient(tree)
     scale, period = searched.scale, searched.period
-    coords = (wrap_into_box(searched.points, period) * scale).T
-    diffs = [rows_at(axis, rows) - rows_at(axis, cols) for axis in coords]
+    coords = wrap_into_box(searched.points, period) * scale
+    diffs = [
+        a - b for a, b in zip(axes_at(coords, rows), axes_at(coords, cols), strict=True)
+    ]
     if period is not None:
         diffs = [
             minimum_image(diff, length * scale) for diff, length in zip(diffs, period)
