@@ -197,6 +197,14 @@ def main():
         "fits (rbf, mls) at k = 32, radius_graph and NeighborList over a periodic "
         "liquid of --liquid points, and the operator series",
     )
+    parser.add_argument(
+        "--part2-tasks",
+        nargs="+",
+        choices=PART2_TASKS,
+        default=PART2_TASKS,
+        help="with --part2, only these: count_neighbors, query_pairs, knn_graph, the "
+        "local fits, the liquid's graph and neighbour list, the operator series",
+    )
     parser.add_argument("--local-queries", type=float, default=1e5)
     parser.add_argument("--liquid", type=float, default=1e5)
     parser.add_argument("--series-n", type=int, nargs="+", default=[256, 1024])
@@ -241,9 +249,14 @@ def main():
         host = f"scipy workers=-1, {os.cpu_count()} host cores"
         record(f"build {task}", b_best, f"{host}, build", t_build)
         if args.part2:  # on the uniform points only: part 2's targets are there
-            part2(tree, ref, pts, queries, r, int(args.local_queries), args.profile)
-            liquid(int(args.liquid), args.profile)
-            operator_series(args.series_n, args.profile, args.series_paths)
+            tasks = set(args.part2_tasks)
+            part2(
+                tree, ref, pts, queries, r, int(args.local_queries), args.profile, tasks
+            )
+            if "liquid" in tasks:
+                liquid(int(args.liquid), args.profile)
+            if "series" in tasks:
+                operator_series(args.series_n, args.profile, args.series_paths)
             break
         first, best, (d, i) = first_and_best(lambda: knn(tree, x_dev))
         print(
@@ -365,10 +378,25 @@ def count_ball_point(tree, ref, queries, x_dev, r, task, host):
     record(f"count_ball_point {task}", best_c, host, t_count)
 
 
-def part2(tree, ref, pts, queries, r, local_q, profiled=False):
+PART2_TASKS = ["neighbors", "pairs", "knn_graph", "fits", "liquid", "series"]
+
+
+def part2(tree, ref, pts, queries, r, local_q, profiled=False, tasks=None):
     """count_neighbors, query_pairs, knn_graph and the local fits on the blocks,
     beside scipy on the host cores (with `profiled`, where the pairs' and the
-    graph's device time goes)."""
+    graph's device time goes); of those, only the `tasks` named (default all)."""
+    tasks = set(PART2_TASKS if tasks is None else tasks)
+    if "neighbors" in tasks:
+        count_neighbors(tree, ref, pts, queries, r)
+    if "pairs" in tasks:
+        query_pairs(tree, ref, pts, profiled)
+    if "knn_graph" in tasks:
+        knn_graph(ref, pts, profiled)
+    if "fits" in tasks:
+        local_fits(tree, pts, queries[:local_q])
+
+
+def count_neighbors(tree, ref, pts, queries, r):
     other = cKDTree(queries)
     radii = np.array([r / 2, r, 2 * r])
     t_pairs, want = host_best(lambda: ref.count_neighbors(other, radii), repeats=1)
@@ -385,6 +413,11 @@ def part2(tree, ref, pts, queries, r, local_q, profiled=False):
     record(
         f"count_neighbors 3 radii, n={n:.0e}, Q={len(queries):.0e}", best, host, t_pairs
     )
+
+
+def query_pairs(tree, ref, pts, profiled):
+    n = len(pts)
+    host = f"scipy, {os.cpu_count()} host cores"
     # About 10 pairs a point: n (4/3) pi r^3 / 2 = 10.
     r_pairs = float((15 / (np.pi * len(pts))) ** (1 / 3))
     t_list, expected = host_best(
@@ -403,6 +436,10 @@ def part2(tree, ref, pts, queries, r, local_q, profiled=False):
     record(f"query_pairs 10 a point, n={n:.0e}", best, f"{host}, ndarray", t_list)
     if profiled:
         profile("query_pairs", lambda: self_pairs(tree), calls=1)
+
+
+def knn_graph(ref, pts, profiled):
+    n = len(pts)
     p_dev = jnp.asarray(pts)
     t_graph, _ = host_best(lambda: ref.query(pts, k=17, workers=-1), repeats=1)
     graph = jax.jit(lambda p: kdeqx.knn_graph(p, 16, engine="blocks"))
@@ -415,10 +452,13 @@ def part2(tree, ref, pts, queries, r, local_q, profiled=False):
     record(f"knn_graph k=16, n={n:.0e}", best, workers, t_graph)
     if profiled:
         profile("knn_graph", lambda: graph(p_dev), calls=1)
+
+
+def local_fits(tree, pts, x):
     from scipy.interpolate import RBFInterpolator
 
+    n = len(pts)
     values = np.sin(6 * pts[:, 0]) * np.cos(4 * pts[:, 1])
-    x = queries[:local_q]
     truth = np.sin(6 * x[:, 0]) * np.cos(4 * x[:, 1])
     scipy_rbf = RBFInterpolator(pts.astype(np.float64), values, neighbors=32)
     t_rbf, want = host_best(lambda: scipy_rbf(x.astype(np.float64)), repeats=1)

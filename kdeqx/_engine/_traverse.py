@@ -259,10 +259,9 @@ def _picked_in_rounds(sink: Sink, flags: Bool[Array, "rows size"], values) -> Si
     """`sink` with the records (`values`, `(rows, size, ...)`) where `flags` is set
     stored, each row's picked `ROW_SLOTS` at a time by compares.
 
-    One loop of steps, each a batch of `rows // LATER_FRACTION` rows and one round
-    of slots: first every row, a batch at a time, in its first round; then the rows
-    with more records than it holds, gathered a batch at a time, in as many rounds
-    as the batch needs. A step's scatter then writes about as many slots as there
+    Every row takes the first round at once; then the rows with more records than
+    it holds are gathered `rows // LATER_FRACTION` at a time, each batch in as many
+    rounds as it needs. A round's scatter then writes about as many slots as there
     are records, where a round over every row wrote `ROW_SLOTS` for each row."""
     rows = flags.shape[0]
     if rows == 0:
@@ -270,59 +269,52 @@ def _picked_in_rounds(sink: Sink, flags: Bool[Array, "rows size"], values) -> Si
     index_dtype = jnp.int32
     rank = jnp.cumsum(flags, axis=1, dtype=index_dtype) - 1
     in_row = jnp.sum(flags, axis=1, dtype=index_dtype)
-    batch = max(1, -(-rows // LATER_FRACTION))
-    first_batches = -(-rows // batch)
-    # The rows of the first rounds in order, then those with more records.
+    sink = _one_round(sink, flags, rank, in_row, values, 0)
     more = in_row > ROW_SLOTS
+    batch = max(1, -(-rows // LATER_FRACTION))
+    # The rows with more records, in order, then `rows` (none).
     later = jnp.where(more, jnp.cumsum(more, dtype=index_dtype) - 1, rows)
     positions = jnp.arange(rows, dtype=index_dtype)
-    later_rows = jnp.full(rows, rows, index_dtype).at[later].set(positions, mode="drop")
-    order = jnp.concatenate(
-        [
-            positions,
-            jnp.full(first_batches * batch - rows, rows, index_dtype),
-            later_rows,
-            jnp.full(-rows % batch, rows, index_dtype),
-        ]
-    )
-    batches = first_batches + -(-jnp.sum(more, dtype=index_dtype) // batch)
-    slots = np.arange(ROW_SLOTS, dtype=np.int32)
+    order = jnp.full(rows + -rows % batch, rows, index_dtype)
+    order = order.at[later].set(positions, mode="drop")
+    batches = -(-jnp.sum(more, dtype=index_dtype) // batch)
 
-    def rounds_of(b) -> tuple[Array, Array, Array]:
-        """Batch `b`'s rows (`rows` for none) and its first and last round."""
+    def batch_rows(b):
+        """Batch `b`'s rows (`rows` for none) and their records' counts."""
         some = lax.dynamic_slice_in_dim(order, b * batch, batch)
-        counts = jnp.where(some < rows, gather_clamped(in_row, some), 0)
-        last = jnp.maximum(1, -(-jnp.max(counts) // ROW_SLOTS)) - 1
-        first_round = b < first_batches
-        return some, jnp.where(first_round, 0, 1), jnp.where(first_round, 0, last)
+        return some, jnp.where(some < rows, gather_clamped(in_row, some), 0)
 
-    def one_step(carry):
-        b, r, some, last, sink = carry
-        real = (some < rows)[:, None]
-        wanted = r * ROW_SLOTS + slots
-        taken = gather_clamped(flags, some) & real
-        hits = taken[:, :, None] & (gather_clamped(rank, some)[:, :, None] == wanted)
-        picked = jax.tree.map(lambda a: _picked(hits, gather_clamped(a, some)), values)
-        counts = jnp.where(real[:, 0], gather_clamped(in_row, some), 0)
-        sink = sink._stored(wanted < counts[:, None], picked)
-        # On to the batch's next round, or to the next batch.
-        done = r >= last
-        b = jnp.where(done, b + 1, b)
-        next_some, next_first, next_last = rounds_of(b)
-        return (
-            b,
-            jnp.where(done, next_first, r + 1),
-            jnp.where(done, next_some, some),
-            jnp.where(done, next_last, last),
-            sink,
+    def one_batch(carry):
+        b, sink = carry
+        some, counts = batch_rows(b)
+        taken = gather_clamped(flags, some) & (some < rows)[:, None]
+        rank_taken = gather_clamped(rank, some)
+        taken_values = jax.tree.map(lambda a: gather_clamped(a, some), values)
+
+        def next_round(carry):
+            r, sink = carry
+            sink = _one_round(sink, taken, rank_taken, counts, taken_values, r)
+            return r + 1, sink
+
+        last = -(-jnp.max(counts) // ROW_SLOTS)
+        _, sink = lax.while_loop(
+            lambda c: c[0] < last, next_round, (jnp.ones((), index_dtype), sink)
         )
+        return b + 1, sink
 
-    zero = jnp.zeros((), index_dtype)
-    some, _, last = rounds_of(zero)
-    _, _, _, _, sink = lax.while_loop(
-        lambda c: c[0] < batches, one_step, (zero, zero, some, last, sink)
+    _, sink = lax.while_loop(
+        lambda c: c[0] < batches, one_batch, (jnp.zeros((), index_dtype), sink)
     )
     return sink
+
+
+def _one_round(sink: Sink, flags, rank, counts, values, r) -> Sink:
+    """`sink` with round `r` of each row's records stored: those of ranks `r *
+    ROW_SLOTS` on, up to `ROW_SLOTS` of them (`counts`: each row's records)."""
+    wanted = r * ROW_SLOTS + np.arange(ROW_SLOTS, dtype=np.int32)
+    hits = flags[:, :, None] & (rank[:, :, None] == wanted)
+    picked = jax.tree.map(lambda a: _picked(hits, a), values)
+    return sink._stored(wanted < counts[:, None], picked)
 
 
 def _picked(hits: Bool[Array, "rows size slots"], values: Array) -> Array:
