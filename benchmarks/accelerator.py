@@ -5,7 +5,8 @@ same chip and scipy's `cKDTree` (`workers=-1`) on the same machine's host cores.
         [--brute-queries 1e4] [--shapes] [--compile-report] [--compile-parts]
         [--compile-kernels] [--profile] [--tile-k] [--local-solvers]
         [--skip-jaxkd] [--walk]
-        [--part2] [--local-queries 1e5] [--liquid 1e5] [--series-n 256 1024]
+        [--part2] [--part2-tasks ...] [--local-queries 1e5] [--liquid 1e5]
+        [--series-n 256 1024] [--seed-n 1.4e7] [--seed-queries 1e6]
 
 For n uniform 3-D float32 points and then 64 tight blobs (sigma 0.01; the queries
 uniform in both): the build; kNN (first call: trace, compile and run; then the best
@@ -34,7 +35,9 @@ k = 32 on `--local-queries` queries against scipy's `RBFInterpolator(neighbors=3
 with their RMSE; `radius_graph` and `NeighborList.update` over a periodic liquid of
 `--liquid` points against scipy's periodic `query_pairs`; and `OperatorSeries` in
 complex64 (a driven H0 + cos(t) H1, K = 40) at each of `--series-n` against 40
-commutators with H0 at the same precision.
+commutators with H0 at the same precision; and the seed's size (`--seed-n` points,
+`--seed-queries` queries: build, kNN and IDW beside scipy, with the chip's peak
+memory, as `benchmarks/large.py`). `--part2-tasks` picks some of these.
 
 With `KDEQX_RECORD=benchmarks/results.jsonl` (and `KDEQX_COMMIT`, where the chip's
 copy of the repository has no history), the build, kNN, `count_ball_point` and
@@ -53,6 +56,7 @@ import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
 from _timing import record
+from large import seed_size
 from scipy.spatial import cKDTree
 
 import kdeqx
@@ -203,9 +207,12 @@ def main():
         choices=PART2_TASKS,
         default=PART2_TASKS,
         help="with --part2, only these: count_neighbors, query_pairs, knn_graph, the "
-        "local fits, the liquid's graph and neighbour list, the operator series",
+        "local fits, the liquid's graph and neighbour list, the operator series, "
+        "and build, kNN and IDW at the seed's size (--seed-n, --seed-queries)",
     )
     parser.add_argument("--local-queries", type=float, default=1e5)
+    parser.add_argument("--seed-n", type=float, default=1.4e7)
+    parser.add_argument("--seed-queries", type=float, default=1e6)
     parser.add_argument("--liquid", type=float, default=1e5)
     parser.add_argument("--series-n", type=int, nargs="+", default=[256, 1024])
     parser.add_argument(
@@ -257,6 +264,10 @@ def main():
                 liquid(int(args.liquid), args.profile)
             if "series" in tasks:
                 operator_series(args.series_n, args.profile, args.series_paths)
+            if "seed" in tasks:
+                into = time.perf_counter() - started
+                print(f"\n== the seed's size == ({into:.0f} s into the run)")
+                seed_size(int(args.seed_n), int(args.seed_queries), k, [], 32)
             break
         first, best, (d, i) = first_and_best(lambda: knn(tree, x_dev))
         print(
@@ -378,7 +389,7 @@ def count_ball_point(tree, ref, queries, x_dev, r, task, host):
     record(f"count_ball_point {task}", best_c, host, t_count)
 
 
-PART2_TASKS = ["neighbors", "pairs", "knn_graph", "fits", "liquid", "series"]
+PART2_TASKS = ["neighbors", "pairs", "knn_graph", "fits", "liquid", "series", "seed"]
 
 
 def part2(tree, ref, pts, queries, r, local_q, profiled=False, tasks=None):

@@ -56,7 +56,20 @@ def main():
     parser.add_argument("--skip-scipy", action="store_true")
     parser.add_argument("--workers", type=int, default=-1)
     args = parser.parse_args()
-    n, q, k = int(args.n), int(args.queries), args.k
+    seed_size(
+        int(args.n),
+        int(args.queries),
+        args.k,
+        args.local_kernels,
+        args.local_k,
+        args.skip_scipy,
+        args.workers,
+    )
+
+
+def seed_size(n, q, k, local_kernels, local_k, skip_scipy=False, workers=-1):
+    """Build, kNN and IDW (and the local fits `local_kernels`) at `n` points and `q`
+    queries, beside scipy with `workers` (also run by `accelerator.py --part2`)."""
     rng = np.random.default_rng(0)
     points = rng.random((n, 3), dtype=np.float32)
     values = np.sin(10 * points[:, 0]).astype(np.float32)
@@ -76,22 +89,20 @@ def main():
     field, idw_time = timed("kdeqx IDW (steady)", lambda: idw(tree, x, values))
     truth = np.sin(10 * x[:, 0])
     print(f"{'IDW RMSE against the field':<40}{_rmse(field, truth):9.2e}")
-    for kernel in args.local_kernels:
+    for kernel in local_kernels:
         local = eqx.filter_jit(
-            lambda t, x, v, kernel=kernel: t.interpolate(
-                x, v, k=args.local_k, kernel=kernel
-            )
+            lambda t, x, v, kernel=kernel: t.interpolate(x, v, k=local_k, kernel=kernel)
         )
-        label = f"kdeqx {kernel} k={args.local_k}"
+        label = f"kdeqx {kernel} k={local_k}"
         timed(f"{label} (first call)", lambda: local(tree, x, values))
         fitted, _ = timed(f"{label} (steady)", lambda: local(tree, x, values))
         print(f"{label + ' RMSE against the field':<40}{_rmse(fitted, truth):9.2e}")
-    if args.skip_scipy:
+    if skip_scipy:
         return
     reference, scipy_build = timed("scipy build", lambda: cKDTree(points))
     (ref_d, ref_i), scipy_query = timed(
-        f"scipy query (workers={args.workers})",
-        lambda: reference.query(x, k, workers=args.workers),
+        f"scipy query (workers={workers})",
+        lambda: reference.query(x, k, workers=workers),
     )
     start = time.perf_counter()
     w = 1 / np.maximum(ref_d, 1e-30) ** 2
@@ -103,7 +114,7 @@ def main():
         f"query {query_time / scipy_query:.2f}x, IDW {idw_time / scipy_idw:.2f}x"
     )
     task = f"n={n:.1e}, Q={q:.0e}, {jax.default_backend()}"
-    host = f"scipy workers={args.workers}"
+    host = f"scipy workers={workers}"
     record(f"build, seed's size, {task}", build_time, host, scipy_build)
     record(f"kNN k={k}, seed's size, {task}", query_time, host, scipy_query)
     record(f"IDW k={k}, seed's size, {task}", idw_time, host, scipy_idw)
