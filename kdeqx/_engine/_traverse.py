@@ -250,7 +250,8 @@ class Sink(eqx.Module):
 
 
 # Rows of a tile pick their records into this many slots a round (on a TPU); the
-# later rounds take the rows with more records, this fraction of all rows at a time.
+# later rounds take the rows with more records, this fraction of all rows at a time
+# (see `benchmarks/accelerator.py --part2 --profile`, `query_pairs`).
 ROW_SLOTS = 16
 LATER_FRACTION = 8
 
@@ -279,14 +280,10 @@ def _picked_in_rounds(sink: Sink, flags: Bool[Array, "rows size"], values) -> Si
     order = order.at[later].set(positions, mode="drop")
     batches = -(-jnp.sum(more, dtype=index_dtype) // batch)
 
-    def batch_rows(b):
-        """Batch `b`'s rows (`rows` for none) and their records' counts."""
-        some = lax.dynamic_slice_in_dim(order, b * batch, batch)
-        return some, jnp.where(some < rows, gather_clamped(in_row, some), 0)
-
     def one_batch(carry):
         b, sink = carry
-        some, counts = batch_rows(b)
+        some = lax.dynamic_slice_in_dim(order, b * batch, batch)  # `rows`: none
+        counts = jnp.where(some < rows, gather_clamped(in_row, some), 0)
         taken = gather_clamped(flags, some) & (some < rows)[:, None]
         rank_taken = gather_clamped(rank, some)
         taken_values = jax.tree.map(lambda a: gather_clamped(a, some), values)
