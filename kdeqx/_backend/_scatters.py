@@ -84,9 +84,7 @@ def axes_at(values: Array, indices: Int[Array, "..."], backend: str | None = Non
     faster than a gather of short rows (see `benchmarks/gathers.py`). `backend`
     defaults to `jax.default_backend()`."""
     n, d = values.shape
-    if n == 0:
-        return [jnp.zeros(indices.shape, values.dtype) for _ in range(d)]
-    if not gathers_rows_faster(backend):
+    if n == 0 or not gathers_rows_faster(backend):
         return axes_at_reference(values, indices)
     rows = gather_clamped(values, indices)
     return [rows[..., axis] for axis in range(d)]
