@@ -46,11 +46,10 @@ def _share_compiled_programs() -> str:
 
     Tests compile many identical programs (the same query on the same shapes, in
     another test's `jit`, another xdist worker or a subprocess); with a cache shared
-    by every process of the run each is compiled once: 12-19 % less time summed over
-    the tests (1,025 and 949 s in two runs against 1,171 s, 2 cores). The folder
-    starts empty, so a run never reuses programs from an earlier one, and is removed
-    at the end. Counting compiles still works: a cache hit is reported as a compile
-    (`_compiles` in `test_sharded.py`).
+    by every process of the run each is compiled once (`docs/design-decisions.md`,
+    "The test suite"). The folder starts empty, so a run never reuses programs from an
+    earlier one, and is removed at the end. Counting compiles still works: a cache hit
+    is reported as a compile (`_compiles` in `test_sharded.py`).
     """
     cache = tempfile.mkdtemp(prefix="kdeqx-test-programs-")
     settings = {

@@ -16,9 +16,8 @@ DTYPES = [np.float32, np.float64]
 # Compiling is most of the suite's time. Unless `XLA_FLAGS` is already set, the tests
 # compile with XLA:CPU's older loop emitters and LLVM at -O0 (`conftest.py` sets them):
 # the same programs, compiled in less time and run more slowly, which suits a suite of
-# small problems (2 cores: the whole suite 527 s against 735 s at kdeqx's quick-start
-# -O1; test_graph + test_pairs in one process 117-128 s against 170-176 s). Two
-# examples (`test_examples.py`) run with XLA's defaults, as users run them.
+# small problems (`docs/design-decisions.md`, "The test suite"). Two examples
+# (`test_examples.py`) run with XLA's defaults, as users run them.
 SUITE_XLA_FLAGS = " ".join(
     f"--{name}={str(value).lower()}"
     for name, value in {
