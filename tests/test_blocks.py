@@ -136,6 +136,22 @@ def test_hostile_trees_and_queries():
     np.testing.assert_array_equal(blocks[1], np.tile(np.arange(7), (4, 1)))
 
 
+def test_a_tree_of_one_leaf_measures_it_once():
+    """Every point in the root (no more points than `leaf_size`): the stage's descent
+    takes no step, and must still leave out the leaf the first pass measured (it
+    used to return each neighbour twice). `knn_graph` builds such trees for small
+    systems."""
+    rng = np.random.default_rng(6)
+    points, x = rng.random((12, 3)).astype(np.float32), rng.random((9, 3))
+    tree = kdeqx.KDTree(points, leaf_size=32, engine="blocks")
+    _, indices = _query(tree, x.astype(np.float32), 4)
+    np.testing.assert_array_equal(indices, cKDTree(points).query(x, 4)[1])
+    graphs = [kdeqx.knn_graph(points, 3, engine=e) for e in ("blocks", "walk")]
+    for field in ("senders", "receivers", "shifts"):
+        ours, walked = (np.asarray(getattr(g, field)) for g in graphs)
+        np.testing.assert_array_equal(ours, walked)
+
+
 @pytest.mark.parametrize("blocks, at_least", [(1, 1), (7, 1), (103, 1), (103, 64)])
 @pytest.mark.parametrize("share", [0.0, 0.05, 0.5, 1.0])
 def test_work_for_active_blocks_only_lands_in_their_rows(

@@ -151,6 +151,30 @@ def test_one_call_equals_one_call_per_system():
     assert_same_edges(edges_of(together, len(x)), alone)
 
 
+@pytest.mark.parametrize("engine", ["walk", "blocks"])
+def test_segments_stay_apart_at_any_scale(engine):
+    """Segments are set apart along an extra axis of the search: a separation on the
+    scale of the cutoff, far below the coordinates (identical points far from the
+    origin), squared to zero in the tree's scaled coordinates and joined them; one
+    of order one joined tiny systems' candidates. Against brute force within each
+    segment."""
+    rng = np.random.default_rng(4)
+    batch = np.arange(12) % 3
+    same = batch[:, None] == batch[None]
+    far = np.repeat(rng.random((1, 3)) * 1e30, 12, axis=0).astype(np.float32)
+    graph = kdeqx.radius_graph(far, 1.0, 200, batch=batch, engine=engine)
+    expected = set(zip(*np.nonzero(same & ~np.eye(12, dtype=bool))))
+    real = np.asarray(graph.senders) < 12
+    got = zip(*(np.asarray(a)[real] for a in (graph.senders, graph.receivers)))
+    assert set(got) == expected and int(graph.count) == len(expected)
+    tiny = (rng.random((12, 3)) * 1e-30).astype(np.float32)
+    graph = kdeqx.knn_graph(tiny, 2, batch=batch, engine=engine)
+    d = np.linalg.norm(tiny[:, None].astype(float) - tiny[None], axis=-1)
+    d = np.where(same & ~np.eye(12, dtype=bool), d, np.inf)
+    nearest = np.sort(np.argsort(d, axis=1)[:, :2], axis=1)  # in receiver order
+    np.testing.assert_array_equal(np.asarray(graph.receivers).reshape(12, 2), nearest)
+
+
 def test_knn_graph_with_a_cell_per_system():
     x, batch, cells = crystals(3, SIZES)
     with pytest.raises(Exception, match="images"):  # the lone atom's own images

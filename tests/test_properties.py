@@ -24,6 +24,8 @@ pytestmark = pytest.mark.x64
 
 
 KINDS = ["uniform", "duplicates", "lattice", "line", "plane", "identical"]
+# Every property holds on either engine: each example searches with one of them.
+ENGINES = st.sampled_from(["walk", "blocks"])
 SCALES = ["unit", "tiny", "huge", "offset"]
 Q = 12
 
@@ -87,10 +89,10 @@ def _query(tree, x, k, bound):
     return tree.query(x, k, distance_upper_bound=bound)
 
 
-@given(problems(), st.sampled_from([1, 3, 10]), st.booleans())
-def test_knn_agrees_with_brute_force(problem, k, bounded):
+@given(problems(), st.sampled_from([1, 3, 10]), st.booleans(), ENGINES)
+def test_knn_agrees_with_brute_force(problem, k, bounded, engine):
     points, x, kind, scale = problem
-    tree = kdeqx.KDTree(points)
+    tree = kdeqx.KDTree(points, engine=engine)
     bound = np.inf
     if bounded:
         d = np.linalg.norm(
@@ -119,24 +121,25 @@ def _radii_between_distances(d):
     return np.array(radii)
 
 
-@given(problems())
-def test_radius_count_agrees_with_brute_force(problem):
+@given(problems(), ENGINES)
+def test_radius_count_agrees_with_brute_force(problem, engine):
     points, x, _, _ = problem
     d = np.linalg.norm(x[:, None].astype(float) - points[None].astype(float), axis=-1)
     r = _radii_between_distances(d)
     with np.errstate(over="ignore"):  # a tiny r makes huge relative gaps: fine
         gaps = np.abs(d - r[:, None]) / np.maximum(r[:, None], np.finfo(float).tiny)
     assume(gaps.min() > 1e-4)
-    counts = kdeqx.KDTree(points).count_ball_point(x, r.astype(points.dtype))
+    tree = kdeqx.KDTree(points, engine=engine)
+    counts = tree.count_ball_point(x, r.astype(points.dtype))
     np.testing.assert_array_equal(counts, (d <= r[:, None]).sum(1))
 
 
-@given(problems(scales=("unit",)), st.sampled_from([1, 4]))
-def test_periodic_knn_agrees_with_minimum_image_brute_force(problem, k):
+@given(problems(scales=("unit",)), st.sampled_from([1, 4]), ENGINES)
+def test_periodic_knn_agrees_with_minimum_image_brute_force(problem, k, engine):
     points, x, _, _ = problem
     lengths = np.ptp(points, axis=0).astype(float) + 1.0
     box = lengths.astype(points.dtype)
-    distances, _ = kdeqx.KDTree(points, box=box).query(x, k)
+    distances, _ = kdeqx.KDTree(points, box=box, engine=engine).query(x, k)
     diff = x[:, None].astype(float) - points[None].astype(float)
     diff -= lengths * np.round(diff / lengths)
     reference = np.sort(np.linalg.norm(diff, axis=-1), axis=1)[:, :k]
@@ -150,12 +153,14 @@ def test_periodic_knn_agrees_with_minimum_image_brute_force(problem, k):
     np.testing.assert_allclose(distances, reference, rtol=rtol, atol=1e-6)
 
 
-@given(problems(), st.sampled_from([1, 4]))
-def test_permuting_points_permutes_indices(problem, k):
+@given(problems(), st.sampled_from([1, 4]), ENGINES)
+def test_permuting_points_permutes_indices(problem, k, engine):
     points, x, _, _ = problem
     perm = np.random.default_rng(len(points)).permutation(len(points))
-    distances, indices = _query(kdeqx.KDTree(points), x, k, np.inf)
-    distances_p, indices_p = _query(kdeqx.KDTree(points[perm]), x, k, np.inf)
+    tree = kdeqx.KDTree(points, engine=engine)
+    distances, indices = _query(tree, x, k, np.inf)
+    permuted = kdeqx.KDTree(points[perm], engine=engine)
+    distances_p, indices_p = _query(permuted, x, k, np.inf)
     np.testing.assert_array_equal(distances, distances_p)
     n = len(points)
     mapped = np.where(np.asarray(indices_p) < n, perm[np.minimum(indices_p, n - 1)], n)
@@ -175,10 +180,10 @@ def test_permuting_points_permutes_indices(problem, k):
                 assert mapped[row, j] == indices[row, j]
 
 
-@ft.partial(jax.jit, static_argnames="box")
-def _gradients(points, x, values, box=None):
+@ft.partial(jax.jit, static_argnames=("box", "engine"))
+def _gradients(points, x, values, box=None, engine="walk"):
     def loss(points, x, values):
-        tree = kdeqx.KDTree(points, box=box)
+        tree = kdeqx.KDTree(points, box=box, engine=engine)
         distances, _ = tree.query(x, 3)
         counts_free = tree.interpolate(x, values, k=3)
         smooth = tree.interpolate(x, values, k=3, kernel="gaussian", length_scale=0.3)
@@ -189,12 +194,12 @@ def _gradients(points, x, values, box=None):
 
 
 # One size and dimension: every example reuses the same four compiled gradients.
-@given(problems(sizes=(40,), dims=(2,), scales=("unit",)))
-def test_no_nan_gradients_anywhere(problem):
+@given(problems(sizes=(40,), dims=(2,), scales=("unit",)), ENGINES)
+def test_no_nan_gradients_anywhere(problem, engine):
     points, x, kind, _ = problem
     values = np.linspace(-1, 1, len(points)).astype(points.dtype)
     for box in (None, 1.0):
-        for g in _gradients(points, x, values, box=box):
+        for g in _gradients(points, x, values, box=box, engine=engine):
             assert np.isfinite(g).all(), (kind, box)
 
 
@@ -209,8 +214,8 @@ def _pairs_and_counts(tree, other, r, p):
     return tree.query_pairs(r, 800, p=p), tree.count_neighbors(other, radii, p=p)
 
 
-@given(problems(sizes=(40,), dims=(3,)), st.sampled_from([1.0, np.inf]))
-def test_pairs_and_pair_counts_agree_with_brute_force(problem, p):
+@given(problems(sizes=(40,), dims=(3,)), st.sampled_from([1.0, np.inf]), ENGINES)
+def test_pairs_and_pair_counts_agree_with_brute_force(problem, p, engine):
     points, x, _, _ = problem
     within = _minkowski(points[:, None].astype(float) - points[None].astype(float), p)
     between = _minkowski(points[:, None].astype(float) - x[None].astype(float), p)
@@ -219,8 +224,9 @@ def test_pairs_and_pair_counts_agree_with_brute_force(problem, p):
     for radius in (r / 2, r):
         gaps = np.abs(every - radius) / max(radius, np.finfo(float).tiny)
         assume(gaps.min() > 1e-4)  # no distance on a sphere: float32 may disagree
+    trees = (kdeqx.KDTree(a, engine=engine) for a in (points, x))
     (pairs, _, count), counts = _pairs_and_counts(
-        kdeqx.KDTree(points), kdeqx.KDTree(x), np.asarray(r, points.dtype), p
+        *trees, np.asarray(r, points.dtype), p
     )
     i, j = np.nonzero(np.triu(within <= r, k=1))
     assert kdeqx.pair_set(pairs, count) == set(zip(i.tolist(), j.tolist()))
@@ -230,14 +236,16 @@ def test_pairs_and_pair_counts_agree_with_brute_force(problem, p):
 
 
 @eqx.filter_jit
-def _graphs(points, r, batch, cell):
-    directed = kdeqx.radius_graph(points, r, 1600, batch=batch)
-    half = kdeqx.radius_graph(points, r, 800, half=True, cell=cell, images=1)
+def _graphs(points, r, batch, cell, engine):
+    directed = kdeqx.radius_graph(points, r, 1600, batch=batch, engine=engine)
+    half = kdeqx.radius_graph(
+        points, r, 800, half=True, cell=cell, images=1, engine=engine
+    )
     return directed, half
 
 
-@given(problems(sizes=(40,), dims=(3,)))
-def test_radius_graphs_agree_with_brute_force(problem):
+@given(problems(sizes=(40,), dims=(3,)), ENGINES)
+def test_radius_graphs_agree_with_brute_force(problem, engine):
     """Directed graphs of segments in free space, and half lists in a periodic box
     around the data (cutoff below half its side, so one image a pair)."""
     points, x, _, _ = problem
@@ -252,7 +260,7 @@ def test_radius_graphs_agree_with_brute_force(problem):
         assume(gaps.min() > 1e-4)  # no distance on the sphere: float32 may disagree
     batch = np.random.default_rng(int(points.size)).integers(0, 3, 40)
     cell = np.full(3, side, points.dtype)
-    directed, half = _graphs(points, np.asarray(r, points.dtype), batch, cell)
+    directed, half = _graphs(points, np.asarray(r, points.dtype), batch, cell, engine)
     i, j = np.nonzero((within <= r) & (batch[:, None] == batch[None]))
     keep = i != j
     expected = list(zip(i[keep].tolist(), j[keep].tolist()))

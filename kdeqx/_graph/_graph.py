@@ -774,7 +774,9 @@ def _searched(
     """The tree over the placed points and the sink of its search: the walk's
     records of leaves (`_walked_images`), or the block engine's of points
     (`_emitted_images`)."""
-    placed = _placed(points, cell, segment, table, lambda *_: 2 * r)
+    placed = _placed(
+        points, cell, segment, table, lambda wrapped, _: _apart(2 * r, wrapped)
+    )
     tree = KDTree(placed.points, leaf_size=leaf_size, engine=engine)
     tree = lax.stop_gradient(tree)
     system = system_of(cell, segment)
@@ -1218,7 +1220,16 @@ def _beyond_every_candidate(wrapped, offsets):
     """A separation of segments beyond any candidate distance within one: the span
     of the wrapped points plus the farthest image offset."""
     span = norm_without_overflow(jnp.max(wrapped, axis=0) - jnp.min(wrapped, axis=0))
-    return 2 * (span + jnp.max(norm_without_overflow(offsets))) + 1
+    return _apart(2 * (span + jnp.max(norm_without_overflow(offsets))), wrapped)
+
+
+def _apart(distance, wrapped):
+    """A separation of segments along their axis: `distance` plus the points'
+    largest coordinate, so that it is not lost in the tree's scaled coordinates (a
+    separation far below the coordinates, of identical points far from the origin
+    say, squared to zero there and joined the segments), and nonzero."""
+    apart = distance + jnp.max(jnp.abs(wrapped), initial=0)
+    return jnp.where(apart > 0, apart, 1)
 
 
 def _padding_last(valid, senders, receivers, images, n):
