@@ -287,3 +287,35 @@ def test_radius_graphs_agree_with_brute_force(problem, engine):
         )
     )
     assert got == expected
+
+
+@eqx.filter_jit
+def _knn_graph(points, k, batch, engine):
+    return kdeqx.knn_graph(points, k, batch=batch, engine=engine)
+
+
+@given(problems(sizes=(5, 40), dims=(3,)), st.sampled_from([1, 3]), ENGINES)
+def test_knn_graphs_agree_with_brute_force(problem, k, engine):
+    """Each point's `k` nearest others of its segment (fewer in a small segment),
+    over a tree of one leaf (5 points) and of several (40)."""
+    points, _, kind, scale = problem
+    n = len(points)
+    batch = np.random.default_rng(n).integers(0, 2, n)
+    graph = _knn_graph(points, k, batch, engine)
+    senders, receivers, distances = (
+        np.asarray(a) for a in (graph.senders, graph.receivers, graph.distances)
+    )
+    p = points.astype(float)
+    others = (batch[:, None] == batch[None]) & ~np.eye(n, dtype=bool)
+    d = np.where(others, np.linalg.norm(p[:, None] - p[None], axis=-1), np.inf)
+    rtol = 2e-5 if points.dtype == np.float32 else 1e-12
+    exact = _exact_ties_expected(points, kind, scale)
+    for i in range(n):
+        mine = senders == i
+        nearest = np.lexsort((np.arange(n), d[i]))[: min(k, others[i].sum())]
+        assert mine.sum() == len(nearest)
+        assert len(set(receivers[mine].tolist())) == len(nearest)  # none twice
+        np.testing.assert_allclose(np.sort(distances[mine]), d[i, nearest], rtol=rtol)
+        np.testing.assert_allclose(distances[mine], d[i, receivers[mine]], rtol=rtol)
+        if exact:
+            assert set(receivers[mine].tolist()) == set(nearest.tolist())
