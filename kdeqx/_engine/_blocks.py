@@ -797,7 +797,9 @@ def _schedule(depth: int, width: int) -> list[tuple[int, int]]:
         kept = max(1, width >> min(len(levels) - 1 - i, UNROLLED))
         steps.append((level - above, kept))
         above = level
-    return [step for step in steps if step[0] > 0]
+    # A tree of one leaf keeps a step of no levels: the root's own, which tests its
+    # box and leaves it out where the first pass measured it already.
+    return [step for step in steps if step[0] > 0] or steps[-1:]
 
 
 class _Frontier(eqx.Module):
@@ -910,15 +912,6 @@ def _descend(steps: _Steps, tiles: _Tiles, width: int, reach, whole=None, seen=N
         None if whole is None else jnp.zeros(whole.shape, index_dtype),
     )
     schedule = _schedule(steps.depth, width)
-    if not schedule and seen_nodes is not None:
-        # A tree of one leaf, the root, takes no step, and so no step leaves it out.
-        known = jnp.any(seen_nodes == 0, axis=1, keepdims=True)
-        frontier = _Frontier(
-            jnp.where(known, -1, frontier.nodes),
-            jnp.where(known, jnp.inf, frontier.box_d2),
-            frontier.overflowed,
-            frontier.counted,
-        )
     if len(schedule) <= 1 + UNROLLED:
         for i, (down, kept) in enumerate(schedule):
             frontier = descent.step(frontier, down, kept, i == len(schedule) - 1)
