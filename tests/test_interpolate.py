@@ -78,6 +78,56 @@ def test_tiny_distances_do_not_overflow():
     np.testing.assert_allclose(out, [1.0])
 
 
+@pytest.mark.parametrize("kernel", ["idw", "gaussian"])
+def test_weighted_means_scale_with_their_gradients(kernel):
+    """float32 data near 1e-30, whose squared distances and length scales underflow,
+    and near 1e30, whose squares overflow: the same values as at unit scale, and
+    the gradients of unit scale divided by the scale (they were NaN, or zero)."""
+    rng = np.random.default_rng(3)
+    points, x = rng.random((40, 2)), rng.random((6, 2))
+    values = np.linspace(-1, 1, 40).astype(np.float32)
+
+    @jax.jit
+    def value_and_gradients(points, x, length_scale):
+        def value(x, length_scale):
+            tree = kdeqx.KDTree(points)
+            options = {"length_scale": length_scale} if kernel == "gaussian" else {}
+            return tree.interpolate(x, values, k=6, kernel=kernel, **options).sum()
+
+        return jax.value_and_grad(value, argnums=(0, 1))(x, length_scale)
+
+    def at(scale):
+        scale = np.float32(scale)
+        return value_and_gradients(
+            (points * scale).astype(np.float32),
+            (x * scale).astype(np.float32),
+            np.float32(0.3) * scale,
+        )
+
+    unit, (unit_x, unit_length) = at(1.0)
+    for scale in (1e-30, 1e30):
+        value, (grad_x, grad_length) = at(scale)
+        np.testing.assert_allclose(value, unit, rtol=1e-4)
+        np.testing.assert_allclose(grad_x * scale, unit_x, rtol=1e-3, atol=1e-4)
+        if kernel == "gaussian":
+            np.testing.assert_allclose(grad_length * scale, unit_length, rtol=1e-3)
+
+
+def test_gaussian_far_beyond_its_length_scale_takes_the_nearest():
+    """Distances of 1e25 length scales (their squares overflow float32): the
+    nearest point's value, with finite gradients."""
+    points = np.array([[0.0], [1.0], [3.0]], np.float32)
+    values = np.array([1.0, 2.0, 4.0], np.float32)
+    tree = kdeqx.KDTree(points)
+
+    def value(x):
+        return tree.interpolate(x, values, k=3, kernel="gaussian", length_scale=1e-25)
+
+    x = np.array([[0.8]], np.float32)
+    np.testing.assert_allclose(value(x), [2.0])
+    assert np.isfinite(jax.grad(lambda x: value(x).sum())(x)).all()
+
+
 @pytest.mark.x64
 @pytest.mark.parametrize("kernel", ["idw", "gaussian"])
 def test_interpolator_grads_match_finite_differences(kernel):

@@ -410,6 +410,48 @@ def test_gradients_at_data_points_are_finite(kernel, options, dtype):
 
 
 @pytest.mark.x64
+@pytest.mark.parametrize("engine", ["walk", "blocks"])
+# Every neighbour a copy: the support has no radius left at all.
+@pytest.mark.parametrize("copies, dtype", [(6, np.float32), (8, np.float64)])
+def test_mls_on_a_repeated_point_is_its_mean_with_finite_gradients(
+    copies, dtype, engine
+):
+    """A query on a point given more often than the support's target count (as a
+    lattice's nodes or repeated measurements are) shrinks the support onto the
+    copies: the fit is their mean, locally constant, and no derivative divides by
+    the vanishing radius (they were NaN)."""
+    rng = np.random.default_rng(0)
+    base = rng.random((10, 2))
+    points = np.concatenate([base, np.repeat(base[:1], copies - 1, axis=0)])
+    points = points.astype(dtype)
+    # The 6 nearest: the copies of lowest index (ties go to the lower index).
+    copies = [0, *range(10, 9 + copies)][:6]
+    values = rng.standard_normal(len(points)).astype(dtype)
+    tree = kdeqx.KDTree(points, engine=engine)
+
+    def value(x, values, points):
+        return kdeqx.KDTree(points, engine=engine).interpolate(
+            x, values, k=6, kernel="mls"
+        )
+
+    x = points[0]
+    rtol = 1e-6 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(
+        value(x, values, points), values[copies].mean(), rtol=rtol
+    )
+    grad_x, grad_values, grad_points = jax.grad(value, argnums=(0, 1, 2))(
+        x, values, points
+    )
+    fd = central_difference(lambda x: tree.interpolate(x, values, k=6, kernel="mls"), x)
+    np.testing.assert_allclose(grad_x, fd, atol=1e-9)
+    assert not np.any(grad_x)  # locally constant
+    expected = np.zeros(len(points))
+    expected[copies] = 1 / len(copies)
+    np.testing.assert_allclose(grad_values, expected, rtol=rtol, atol=rtol)
+    assert np.isfinite(grad_points).all()
+
+
+@pytest.mark.x64
 @pytest.mark.parametrize("degree", [0, 1, 2])
 def test_mls_reproduces_polynomials_of_its_degree(degree):
     rng = np.random.default_rng(8)

@@ -10,6 +10,7 @@ from typing import Literal
 
 import equinox as eqx
 import jax
+import jax.lax as lax
 import jax.numpy as jnp
 
 from .._custom_types import Array, ArrayLike, Bool, Float
@@ -41,7 +42,11 @@ def _idw_weights(
     hit = found & (distances == 0)
     on_data = jnp.any(hit, axis=-1, keepdims=True)
     usable = found & ~on_data
-    ratio = jnp.where(usable, nearest, 1) / jnp.where(usable, distances, 1)
+    # Both in units of the nearest distance, held constant: the quotient's
+    # derivative then squares numbers near one, not distances that underflow.
+    unit = lax.stop_gradient(jnp.where(on_data, 1, nearest))
+    numerator = jnp.where(usable, nearest / unit, 1)
+    ratio = numerator / jnp.where(usable, distances / unit, 1)
     smooth = jnp.where(usable, ratio**power, 0)
     return jnp.where(on_data, hit.astype(distances.dtype), smooth)
 
@@ -52,11 +57,19 @@ def _gaussian_weights(
     found: Bool[Array, "*batch k"],
     length_scale: Float[Array, ""],
 ) -> Float[Array, "*batch k"]:
-    """Gaussian weights `exp(-d**2 / (2 l**2))`, shifted by the nearest (stability)."""
-    # In units of the length scale first: huge distances cannot overflow when squared.
-    scaled = jnp.where(found, distances, 0) / length_scale
-    exponent = (scaled**2 - scaled[..., :1] ** 2) / 2
-    return jnp.where(found, jnp.exp(-exponent), 0)
+    """Gaussian weights `exp(-d**2 / (2 l**2))`, shifted by the nearest (stability).
+
+    The exponent, `(d - d_min) (d + d_min) / (2 l**2)`, is a product of two factors
+    in units of the length scale (held constant, so that no derivative squares it),
+    each capped where the weight has long been zero: no square overflows, in the
+    value or in its derivatives, however the distances compare with `l`."""
+    nearest = distances[..., :1]
+    distances = jnp.where(found, distances, nearest)
+    unit = lax.stop_gradient(length_scale)
+    cap = jnp.sqrt(jnp.finfo(distances.dtype).max) / 2
+    apart = jnp.minimum((distances - nearest) / unit, cap) / (length_scale / unit)
+    together = jnp.minimum((distances + nearest) / unit, cap) / (length_scale / unit)
+    return jnp.where(found, jnp.exp(-apart * together / 2), 0)
 
 
 class AbstractKernel(eqx.Module):

@@ -66,8 +66,11 @@ def _support_radius_squared(
 
     lo, hi = lax.fori_loop(0, iterations, bisect, (lo, hi))
     root = (lo + hi) / 2
-    tiny = jnp.finfo(squared.dtype).tiny
-    root = jnp.maximum(root, tiny)
+    # More than `target` neighbours on the query itself shrink the support onto
+    # them (`R -> 0`). Held above `sqrt(tiny)`, `R^4` stays representable, so that
+    # no derivative divides by zero; only those neighbours are still within `R`.
+    smallest = jnp.sqrt(jnp.finfo(squared.dtype).tiny)
+    root = jnp.maximum(root, smallest)
 
     # One Newton step with the slope held fixed: it polishes the root and carries
     # the implicit derivative -(d count / d squared) / (d count / d R^2).
@@ -80,7 +83,7 @@ def _support_radius_squared(
     usable = slope > 0
     newton = root - residual(root) / jnp.where(usable, slope, 1)
     radius2 = jnp.where(usable, newton, root)
-    farthest = jnp.maximum(_largest(squared), tiny)
+    farthest = jnp.maximum(_largest(squared), smallest)
     return jnp.where(capped | (cap <= 0), farthest, radius2)
 
 
