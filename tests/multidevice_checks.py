@@ -474,7 +474,11 @@ def test_cpu_split():
     np.testing.assert_allclose(ours[1], reference[1], rtol=1e-5)
 
     grad = jax.jit(jax.grad(loss))
-    np.testing.assert_allclose(grad(x, split), grad(x, one), rtol=1e-5, atol=1e-6)
+    expected = grad(x, one)
+    # Some entries cancel far below the terms they sum, which two programs may
+    # round differently: their rounding is that of the largest.
+    scale = np.abs(expected).max()
+    np.testing.assert_allclose(grad(x, split), expected, rtol=1e-5, atol=1e-6 * scale)
     # The tree is replicated into the split: its cotangents are summed back.
     grad_points = eqx.filter_jit(eqx.filter_grad(lambda t, x: loss(x, t)))
     np.testing.assert_allclose(
