@@ -120,10 +120,11 @@ class AbstractKDTree(eqx.Module):
             are skipped, so `eps > 0` visits fewer leaves. `0` (default) is exact.
         - `p`: the Minkowski norm, a static Python number `1 <= p <= inf`
             (`(sum_j |x_j - y_j|**p)**(1/p)`, `max_j |x_j - y_j|` for `inf`); `1`,
-            `2` (default) and `inf` take the fastest paths. For other `p` the walk
-            compares sums of `p`-th powers, as scipy does, whose range narrows with
-            `p` (in float32 a difference below `2**(-126/p)` times the data's extent
-            counts as 0).
+            `2` (default) and `inf` take the fastest paths. For `p` other than `1`
+            and `inf` the search compares sums of `p`-th powers, as scipy does, whose
+            range narrows with `p`: in float32 a difference below about
+            `2**(-126/p)` times the data's extent (`2**-63` for `p = 2`; an extent
+            of one for points that all coincide) counts as 0.
         - `distance_upper_bound`: only points at distance strictly less than this are
             returned (a scalar, or one value per query of shape `(...)`).
         - `workers`: scipy's, accepted so that ported scripts run; it changes
