@@ -66,9 +66,10 @@ def _gaussian_weights(
     nearest = distances[..., :1]
     distances = jnp.where(found, distances, nearest)
     unit = lax.stop_gradient(length_scale)
+    relative = length_scale / unit  # one, carrying the derivative in `l`
     cap = jnp.sqrt(jnp.finfo(distances.dtype).max) / 2
-    apart = jnp.minimum((distances - nearest) / unit, cap) / (length_scale / unit)
-    together = jnp.minimum((distances + nearest) / unit, cap) / (length_scale / unit)
+    apart = jnp.minimum((distances - nearest) / unit, cap) / relative
+    together = jnp.minimum((distances + nearest) / unit, cap) / relative
     return jnp.where(found, jnp.exp(-apart * together / 2), 0)
 
 
