@@ -647,13 +647,17 @@ def operator_series(sizes, profiled=False, both_paths=False, order=40):
         if both_paths:
             h = _recursion.FactoredTerms.of(jnp.ones((1, 3)), h0[None], order + 2)
             at_points = _recursion._at_points_pays(h, n, order)
-            thresholds = _recursion.POINTS_FROM_WORK, _recursion.POINTS_FROM_WORK_TPU
+            names = ("POINTS_FROM_WORK", "POINTS_FROM_WORK_SMALL")
+            names += ("POINTS_FROM_WORK_TPU",)
+            thresholds = {name: getattr(_recursion, name) for name in names}
             forced = 2**80 if at_points else 0
-            _recursion.POINTS_FROM_WORK = _recursion.POINTS_FROM_WORK_TPU = forced
+            for name in names:
+                setattr(_recursion, name, forced)
             jax.clear_caches()  # the thresholds are read when the series is traced
             run = eqx.filter_jit(lambda s, t: s.normalised(t))
             other_first, other, other_out = first_and_best(lambda: run(series, t), 5)
-            _recursion.POINTS_FROM_WORK, _recursion.POINTS_FROM_WORK_TPU = thresholds
+            for name, value in thresholds.items():
+                setattr(_recursion, name, value)
             jax.clear_caches()
             difference = float(jnp.max(jnp.abs(other_out - out)))
             print(

@@ -505,7 +505,8 @@ def points_against_direct(args):
         f"{'direct [s]':>11} {'points [s]':>11} {'speed-up':>9} {'max diff':>9}"
     )
     t = jnp.float64(0.3)
-    default = _recursion.POINTS_FROM_WORK
+    names = ("POINTS_FROM_WORK", "POINTS_FROM_WORK_SMALL")
+    defaults = {name: getattr(_recursion, name) for name in names}
     for n in args.sizes:
         problem = driven_problem(n)
         for order in args.orders:
@@ -516,7 +517,8 @@ def points_against_direct(args):
                 # program of its own (a jitted function of its own), so that the
                 # second does not replace the first in the cache.
                 jax.clear_caches()
-                _recursion.POINTS_FROM_WORK = work
+                for name in names:
+                    setattr(_recursion, name, work)
                 series = driven_series(problem, order)
                 jitted = eqx.filter_jit(lambda s: s.normalised(t))
                 run = ft.partial(jitted, series)
@@ -524,7 +526,8 @@ def points_against_direct(args):
                 runs.append(run)
                 firsts.append(first)
                 values.append(np.asarray(value))
-            _recursion.POINTS_FROM_WORK = default
+            for name, value in defaults.items():
+                setattr(_recursion, name, value)
             best = [math.inf, math.inf]
             repeats = 1 if max(firsts) > 20 else args.repeats
             for _ in range(repeats):

@@ -34,6 +34,7 @@ def _assert_full_precision(fn, *args):
 def test_operator_series_products_are_full_precision(path, monkeypatch):
     if path == "at points":
         monkeypatch.setattr(_recursion, "POINTS_FROM_WORK", 1)
+        monkeypatch.setattr(_recursion, "POINTS_FROM_WORK_SMALL", 1)
     rng = np.random.default_rng(0)
     h0, h1, x0 = rng.normal(size=(3, 6, 6)) + 1j * rng.normal(size=(3, 6, 6))
     h0, h1 = (jnp.asarray(h + h.conj().T, jnp.complex64) for h in (h0, h1))

@@ -114,6 +114,7 @@ def test_exact_zeros_stay_exact():
 
 def _forced_points(monkeypatch):
     monkeypatch.setattr(_recursion, "POINTS_FROM_WORK", 1)
+    monkeypatch.setattr(_recursion, "POINTS_FROM_WORK_SMALL", 1)
     monkeypatch.setattr(_recursion, "POINTS_ORDER_FROM", 1)
 
 
@@ -158,9 +159,9 @@ def test_series_at_points_equals_the_general_recursion(monkeypatch, name):
 @pytest.mark.x64
 def test_product_at_points_is_taken_where_it_pays(monkeypatch):
     """At the thresholds' defaults, a factored series whose direct product costs
-    `POINTS_FROM_WORK` multiply-adds takes the product at points, smaller ones (in
-    size or order) and unfactored ones the direct product; lowered, a small one
-    takes it too."""
+    `POINTS_FROM_WORK` multiply-adds (`POINTS_FROM_WORK_SMALL` up to n = 128 on the
+    CPU) takes the product at points, smaller ones (in size or order) and unfactored
+    ones the direct product; lowered, a small one takes it too."""
     calls = []
     original = _recursion.cauchy_product_at_points
 
@@ -178,7 +179,17 @@ def test_product_at_points_is_taken_where_it_pays(monkeypatch):
 
         jax.eval_shape(coefficients, jax.ShapeDtypeStruct((n, n), jnp.complex128))
 
-    for n, order, taken in [(256, 40, True), (128, 40, False), (1024, 8, True)]:
+    small = jax.default_backend() == "cpu"
+    for n, order, taken in [
+        (256, 40, True),
+        (256, 30, False),
+        (128, 40, small),
+        (128, 31, small),
+        (128, 30, False),
+        (64, 90, small),
+        (64, 89, False),
+        (1024, 8, True),
+    ]:
         trace(n, order)
         assert len(calls) == taken, (n, order)
         calls.clear()
@@ -197,12 +208,16 @@ def test_product_at_points_is_taken_where_it_pays(monkeypatch):
 
 def test_a_tpu_takes_the_product_at_points_only_for_larger_products():
     """A TPU compiles the product at points slowly: there it starts at n = 1024
-    (K = 40), elsewhere at n = 256."""
+    (K = 40); elsewhere at n = 256, or at n = 128 on the CPU, where small series
+    compile for a quick start."""
     h = _recursion.FactoredTerms.of(
         jnp.ones((1, 3), jnp.complex64), jnp.eye(2, dtype=jnp.complex64)[None], 5
     )
     for n, backend, taken in [
         (256, "cpu", True),
+        (128, "cpu", True),
+        (64, "cpu", False),
+        (128, "gpu", False),
         (256, "tpu", False),
         (512, "tpu", False),
         (1024, "tpu", True),

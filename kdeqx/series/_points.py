@@ -236,8 +236,7 @@ def _on_circle(
     scale = top - jnp.arange(length, dtype=real_dtype) * radius
     whole = jnp.floor(scale)
 
-    def one_pass(i, total):
-        rows = i * length + jnp.arange(length)
+    def pass_terms(rows):
         w = _values_as_factors(_evaluation(w_sizes, rows), planes[0], backend)
         p = _values_as_factors(_evaluation(p_sizes, rows), planes[1], backend)
         angles = -_angles(jnp.arange(length), rows, points, real_dtype)
@@ -246,11 +245,18 @@ def _on_circle(
         # pass repeats point 0.
         share = jnp.where(paired & (rows == 0), 0.5, 1.0) * (rows < points) / points
         weights = lax.complex(jnp.cos(angles), jnp.sin(angles)) * share
-        weights = weights * jnp.exp2(scale - whole)[:, None]
-        return total + _interpolated(weights, w, p, backend)
+        return weights * jnp.exp2(scale - whole)[:, None], w, p
 
-    passes = jnp.where(paired, 1, 2)
-    total = lax.fori_loop(0, passes, one_pass, jnp.zeros_like(left.mantissa))
+    def one_pass(i, total):
+        rows = i * length + jnp.arange(length)
+        return total + _interpolated(*pass_terms(rows), backend)
+
+    if isinstance(paired, bool):  # known in advance: one pass of the points needed
+        rows = jnp.arange(length if paired else points)
+        total = _interpolated(*pass_terms(rows), backend)
+    else:
+        passes = jnp.where(paired, 1, 2)
+        total = lax.fori_loop(0, passes, one_pass, jnp.zeros_like(left.mantissa))
     total = jnp.where(paired, total + adjoint(total), total)
     return normalised(total, whole.astype(jnp.int32))
 

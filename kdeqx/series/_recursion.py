@@ -550,10 +550,18 @@ def _cauchy_product(
 # products of `n^3`, paired): from n = 256 at K = 40, n = 1024 at K = 8. There it
 # saves more per call than it adds to the compile, which it lengthens markedly;
 # below, a call saves too little to repay that. See `benchmarks/operator_series.py`.
+# Up to `POINTS_SMALL_UP_TO` on the CPU, where a first call compiles for a quick
+# start (`_series.QUICK_START_UP_TO`) and the product at points adds less to it, it
+# starts at `POINTS_FROM_WORK_SMALL`: n = 128 from K = 31, n = 64 from K = 90; the
+# driven series at n = 128, K = 40 then runs in about half the time, and its first
+# call is shorter than with the direct product compiled without the quick start
+# (`benchmarks/operator_series.py`, sections 5 and 6).
 # A TPU compiles the product at points for several times as long as the direct one
 # and runs the direct one's products fast, so there it starts at `n = 1024` for
 # K = 40 (`benchmarks/accelerator.py --part2 --series-paths`).
 POINTS_FROM_WORK = 2**32
+POINTS_FROM_WORK_SMALL = 2**29
+POINTS_SMALL_UP_TO = 128
 POINTS_FROM_WORK_TPU = 2**37
 POINTS_ORDER_FROM = 8
 
@@ -569,7 +577,12 @@ def _at_points_pays(
     direct product), and its propagator recursion costs most of its time anyway."""
     direct_work = (order + 1) ** 2 * n**3 // 4
     backend = jax.default_backend() if backend is None else backend
-    least = POINTS_FROM_WORK_TPU if backend == "tpu" else POINTS_FROM_WORK
+    if backend == "tpu":
+        least = POINTS_FROM_WORK_TPU
+    elif backend == "cpu" and n <= POINTS_SMALL_UP_TO:
+        least = POINTS_FROM_WORK_SMALL
+    else:
+        least = POINTS_FROM_WORK
     return (
         isinstance(hamiltonian, FactoredTerms)
         and order >= POINTS_ORDER_FROM

@@ -69,8 +69,9 @@ def _size_of(observable: Callable[[Array], Array] | Array) -> int | None:
 
 
 # Up to this size a first call is mostly compiling, so it is compiled with
-# `quick_start_options` (see `benchmarks/operator_series.py`).
-QUICK_START_UP_TO = 64
+# `quick_start_options` (see `benchmarks/operator_series.py`). Keep in step with
+# `_recursion.POINTS_SMALL_UP_TO`.
+QUICK_START_UP_TO = 128
 
 
 # From this much work on (`(K + 1)^2 n^3`: n = 32 from K = 11, n = 16 from K = 31,
@@ -147,7 +148,7 @@ class OperatorSeries(eqx.Module):
     The generator and the observable are fields, so when they are Equinox modules
     (an `eqx.nn.MLP` in `t`, say), `eqx.filter_grad` reaches their parameters. The
     static field `size` is `n`, read off the observable when the series is built
-    (`None` if it is not one square matrix); up to `n = 64` a call made outside any
+    (`None` if it is not one square matrix); up to `n = 128` a call made outside any
     transformation compiles with options that shorten XLA:CPU's compile markedly.
 
     !!! Example
