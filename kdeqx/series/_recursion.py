@@ -552,10 +552,9 @@ def _cauchy_product(
 # below, a call saves too little to repay that. See `benchmarks/operator_series.py`.
 # Up to `POINTS_SMALL_UP_TO` on the CPU, where a first call compiles for a quick
 # start (`_series.QUICK_START_UP_TO`) and the product at points adds less to it, it
-# starts at `POINTS_FROM_WORK_SMALL`: n = 128 from K = 31, n = 64 from K = 90; the
-# driven series at n = 128, K = 40 then runs in about half the time, and its first
-# call is shorter than with the direct product compiled without the quick start
-# (`benchmarks/operator_series.py`, sections 5 and 6).
+# starts at `POINTS_FROM_WORK_SMALL` (n = 128 from K = 31, n = 64 from K = 90): there
+# it saves more per call than it adds to a quick start, which stays shorter than the
+# direct product's full compile (`benchmarks/operator_series.py`, sections 5 and 6).
 # A TPU compiles the product at points for several times as long as the direct one
 # and runs the direct one's products fast, so there it starts at `n = 1024` for
 # K = 40 (`benchmarks/accelerator.py --part2 --series-paths`).
