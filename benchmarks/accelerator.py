@@ -647,8 +647,7 @@ def operator_series(sizes, profiled=False, both_paths=False, order=40):
         if both_paths:
             h = _recursion.FactoredTerms.of(jnp.ones((1, 3)), h0[None], order + 2)
             at_points = _recursion._at_points_pays(h, n, order)
-            names = ("POINTS_FROM_WORK", "POINTS_FROM_WORK_SMALL")
-            names += ("POINTS_FROM_WORK_TPU",)
+            names = [f"POINTS_FROM_WORK{end}" for end in ("", "_SMALL", "_TPU")]
             thresholds = {name: getattr(_recursion, name) for name in names}
             forced = 2**80 if at_points else 0
             for name in names:

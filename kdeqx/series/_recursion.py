@@ -447,6 +447,11 @@ def _propagators(
     return w[: order + 1], p
 
 
+# Up to this size a first call of the series is mostly compiling, so it is compiled
+# with `quick_start_options` (`_series._jit`; see `benchmarks/operator_series.py`).
+QUICK_START_UP_TO = 128
+
+
 def window_size(n: int) -> int:
     """Left terms per product in [`_cauchy_product`][], chosen by timing the product
     alone (`benchmarks/operator_series.py`). Wider windows save steps and copies of
@@ -550,17 +555,16 @@ def _cauchy_product(
 # products of `n^3`, paired): from n = 256 at K = 40, n = 1024 at K = 8. There it
 # saves more per call than it adds to the compile, which it lengthens markedly;
 # below, a call saves too little to repay that. See `benchmarks/operator_series.py`.
-# Up to `POINTS_SMALL_UP_TO` on the CPU, where a first call compiles for a quick
-# start (`_series.QUICK_START_UP_TO`) and the product at points adds less to it, it
-# starts at `POINTS_FROM_WORK_SMALL` (n = 128 from K = 31, n = 64 from K = 90): there
-# it saves more per call than it adds to a quick start, which stays shorter than the
-# direct product's full compile (`benchmarks/operator_series.py`, sections 5 and 6).
+# Up to `QUICK_START_UP_TO` on the CPU, where a first call compiles for a quick
+# start and the product at points adds less to it, it starts at
+# `POINTS_FROM_WORK_SMALL` (n = 128 from K = 31, n = 64 from K = 90): there it saves
+# more per call than it adds to a quick start, which stays shorter than the direct
+# product's full compile (`benchmarks/operator_series.py`, sections 5 and 6).
 # A TPU compiles the product at points for several times as long as the direct one
 # and runs the direct one's products fast, so there it starts at `n = 1024` for
 # K = 40 (`benchmarks/accelerator.py --part2 --series-paths`).
 POINTS_FROM_WORK = 2**32
 POINTS_FROM_WORK_SMALL = 2**29
-POINTS_SMALL_UP_TO = 128
 POINTS_FROM_WORK_TPU = 2**37
 POINTS_ORDER_FROM = 8
 
@@ -578,7 +582,7 @@ def _at_points_pays(
     backend = jax.default_backend() if backend is None else backend
     if backend == "tpu":
         least = POINTS_FROM_WORK_TPU
-    elif backend == "cpu" and n <= POINTS_SMALL_UP_TO:
+    elif backend == "cpu" and n <= QUICK_START_UP_TO:
         least = POINTS_FROM_WORK_SMALL
     else:
         least = POINTS_FROM_WORK

@@ -23,6 +23,7 @@ from ._recursion import (
     FactoredTerms,
     heisenberg_coefficients,
     hermitian_shortcuts,
+    QUICK_START_UP_TO,
     Terms,
 )
 from ._scaled import factorials, ldexp, Scaled
@@ -66,12 +67,6 @@ def _size_of(observable: Callable[[Array], Array] | Array) -> int | None:
     if shape is None or len(shape) != 2 or shape[0] != shape[1]:
         return None
     return shape[0]
-
-
-# Up to this size a first call is mostly compiling, so it is compiled with
-# `quick_start_options` (see `benchmarks/operator_series.py`). Keep in step with
-# `_recursion.POINTS_SMALL_UP_TO`.
-QUICK_START_UP_TO = 128
 
 
 # From this much work on (`(K + 1)^2 n^3`: n = 32 from K = 11, n = 16 from K = 31,
