@@ -74,6 +74,24 @@ def test_product_at_points_equals_the_direct_sums(backend, pairing, profile, len
 
 
 @pytest.mark.x64
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+@pytest.mark.parametrize("paired", [False, True])
+def test_product_at_points_reads_w_as_adjoint_planes(backend, paired):
+    """`W = B^H` given as `B`'s planes read as adjoints (no copy of `W`): the same
+    coefficients as `W` given itself, on the CPU's transposed Gauss parts and on
+    the complex products other backends take."""
+    rng = np.random.default_rng(7)
+    w, p = _operands(rng, 41, 3, "factorial", paired=True)
+    b = _points.PlaneSeries.of(Scaled(_points.adjoint(w.mantissa), w.exponent))
+    from_planes = _points.PlaneSeries(b.planes, b.exponent, adjoint=True)
+    product = jax.jit(cauchy_product_at_points, static_argnames="backend")
+    got = product(from_planes, p, paired, backend=backend).values()
+    assert np.all(relative_errors(got, _direct(w, p)) < 1e-13)
+    expected = product(w, p, paired, backend=backend).values()
+    assert np.all(relative_errors(got, expected) < 1e-14)
+
+
+@pytest.mark.x64
 def test_circles_serve_a_propagator_and_leave_wild_coefficients_to_direct_sums():
     """Factorial decay (K = 40): a few circles serve every coefficient but the
     lowest, which are cheaper summed directly. Wild exponents: most coefficients
@@ -154,6 +172,40 @@ def test_series_at_points_equals_the_general_recursion(monkeypatch, name):
     batched = jax.vmap(series.normalised)(batch)
     for i, ti in enumerate(batch):
         assert np.all(relative_errors(batched[i], general(ti)) < 1e-12)
+
+
+@pytest.mark.x64
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_product_at_points_reads_the_propagators_planes(monkeypatch, name):
+    """From `PLANES_FROM` on (lowered here to n = 5), the propagators hand `P` to the
+    product at points as planes, and where the shortcuts are known in advance (a
+    top-level call split in two programs) and `H` is Hermitian, `W = V^H` as `V`'s
+    own planes read as adjoints: the general recursion's coefficients either way."""
+    from kdeqx.series import _series
+
+    _forced_points(monkeypatch)
+    monkeypatch.setattr(_recursion, "PLANES_FROM", 1)
+    monkeypatch.setattr(_series, "SPLIT_FROM_WORK", 0)
+    left_read = []
+    original = _recursion.cauchy_product_at_points
+
+    def spy(left, right, *args, **kwargs):
+        left_read.append(getattr(left, "adjoint", None))
+        assert isinstance(right, _points.PlaneSeries)
+        return original(left, right, *args, **kwargs)
+
+    monkeypatch.setattr(_recursion, "cauchy_product_at_points", spy)
+    hamiltonian, observable = CASES[name]()
+    series = kdeqx.OperatorSeries(hamiltonian, observable, 30)
+    general = general_recursion(series, 30)
+    t = jnp.float64(0.4)
+    split = series.normalised(t)  # the shortcuts known in advance
+    unitary = series.hermitian_shortcuts(t)[0]
+    assert left_read == [True if unitary else None]
+    within_jit = jax.jit(lambda t: series.normalised(t))(t)  # read at run time
+    assert left_read[1:] == [None]
+    for got in [split, within_jit]:
+        assert np.all(relative_errors(got, general(t)) < 1e-12)
 
 
 @pytest.mark.x64

@@ -18,6 +18,7 @@ between large neighbours), or one cheaper to sum than a circle's products (the
 lowest), is summed directly.
 """
 
+import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
@@ -56,6 +57,35 @@ def weighted_sums(
 
 def _planes(x: Complex[Array, "L n n"]) -> Real[Array, "L 2 n n"]:
     return jnp.stack([x.real, x.imag], axis=1)
+
+
+def adjoint(x: Array) -> Array:
+    return jnp.conj(jnp.swapaxes(x, -1, -2))
+
+
+class PlaneSeries(eqx.Module):
+    """A series in scaled form whose mantissas are kept as real and imaginary planes,
+    as the evaluations at points read them. With `adjoint`, the series is that of
+    the planes' adjoints: `W = V^H` read from `V`'s own planes, never stored."""
+
+    planes: Real[Array, "L 2 n n"]
+    exponent: Int[Array, " L"]
+    adjoint: bool = eqx.field(static=True, default=False)
+
+    @staticmethod
+    def of(series: "Scaled | PlaneSeries") -> "PlaneSeries":
+        if isinstance(series, PlaneSeries):
+            return series
+        return PlaneSeries(_planes(series.mantissa), series.exponent)
+
+    @property
+    def dtype(self):
+        return jnp.promote_types(self.planes.dtype, jnp.complex64)
+
+    def row(self, a: Int[Array, ""]) -> Complex[Array, "n n"]:
+        """The mantissa of coefficient `a`."""
+        x = lax.complex(self.planes[a, 0], self.planes[a, 1])
+        return adjoint(x) if self.adjoint else x
 
 
 def _log2_sum(x: Float[Array, "..."], axis: int) -> Float[Array, "..."]:
@@ -160,23 +190,30 @@ def _evaluation(
 
 
 def _values_as_factors(
-    weights: Complex[Array, "J L"], planes: Real[Array, "L 2 n n"], backend: str
+    weights: Complex[Array, "J L"], series: PlaneSeries, backend: str
 ) -> Array:
     """`sum_a weights[:, a] x[a]`, prepared for [`complex_product`][
     kdeqx._backend.complex_product]. On the CPU the three parts of Gauss's trick
     come straight out of one real product with the planes, with no complex array
-    in between (each pass over memory costs as much as the product)."""
+    in between (each pass over memory costs as much as the product).
+
+    For an `adjoint` series, `W(s) = V(conj s)^H`: the values of `V` at the
+    conjugate points, whose CPU parts are left transposed for
+    [`_interpolated`][] to contract along their rows."""
+    planes = series.planes
+    if series.adjoint:
+        weights = jnp.conj(weights)
     if backend != "cpu":
-        return complex_factors(weighted_sums(weights, planes), backend)
+        values = weighted_sums(weights, planes)
+        return complex_factors(adjoint(values) if series.adjoint else values, backend)
     wr, wi = weights.real, weights.imag
-    # Columns `(a, plane)`: the real part, the imaginary part, and their sum.
-    by_part = jnp.stack(
-        [
-            jnp.stack([wr, -wi], axis=-1),
-            jnp.stack([wi, wr], axis=-1),
-            jnp.stack([wr + wi, wr - wi], axis=-1),
-        ]
-    )
+    # Columns `(a, plane)`: the real part, the imaginary part, and their sum; of
+    # `A^H = A_re^T - i A_im^T`, the transposes of `A_re`, `-A_im` and their sum.
+    if series.adjoint:
+        parts = [(wr, -wi), (-wi, -wr), (wr - wi, -wi - wr)]
+    else:
+        parts = [(wr, -wi), (wi, wr), (wr + wi, wr - wi)]
+    by_part = jnp.stack([jnp.stack(part, axis=-1) for part in parts])
     count, length, n = weights.shape[0], planes.shape[0], planes.shape[-1]
     matrix = by_part.reshape(3 * count, 2 * length)
     planes = planes.reshape(2 * length, n, n)
@@ -189,14 +226,16 @@ def _interpolated(
     w: Array,
     p: Array,
     backend: str,
+    w_transposed: bool = False,
 ) -> Complex[Array, "L n n"]:
     """`sum_j weights[:, j] y_j` for the products `y_j = w_j p_j` of prepared
-    factors. On the CPU the weights act on the three parts of Gauss's trick,
-    `ac`, `bd` and `(a + b)(c + d)`, before they are combined."""
+    factors (on the CPU, `w_transposed`: `w`'s parts are stored transposed). On the
+    CPU the weights act on the three parts of Gauss's trick, `ac`, `bd` and
+    `(a + b)(c + d)`, before they are combined."""
     numbers = (((2,), (1,)), ((0,), (0,)))
     if backend != "cpu":
         return weighted_sums(weights, _planes(complex_product(w, p, numbers, backend)))
-    numbers = (((3,), (2,)), ((0, 1), (0, 1)))
+    numbers = (((2 if w_transposed else 3,), (2,)), ((0, 1), (0, 1)))
     parts = lax.dot_general(w, p, numbers, FULL_PRECISION)
     gr, gi = weights.real, weights.imag
     # y = (ac - bd) + i (total - ac - bd); rows (m, plane), columns (part, j).
@@ -215,9 +254,8 @@ def _interpolated(
 
 
 def _on_circle(
-    left: Scaled,
-    right: Scaled,
-    planes: tuple[Array, Array],
+    left: PlaneSeries,
+    right: PlaneSeries,
     radius: Float[Array, ""],
     paired: bool | Bool[Array, ""],
     backend: str,
@@ -227,7 +265,7 @@ def _on_circle(
     too, in a second pass of the same program."""
     length = left.exponent.shape[0]
     points = 2 * length - 1
-    real_dtype = planes[0].dtype
+    real_dtype = left.planes.dtype
     w_sizes = _sizes_on_circle(left.exponent, radius, real_dtype)
     p_sizes = _sizes_on_circle(right.exponent, radius, real_dtype)
     # Coefficient m is 2**(w_top + p_top - m radius) / N sum_j y_j w^(-jm), where
@@ -237,8 +275,8 @@ def _on_circle(
     whole = jnp.floor(scale)
 
     def pass_terms(rows):
-        w = _values_as_factors(_evaluation(w_sizes, rows), planes[0], backend)
-        p = _values_as_factors(_evaluation(p_sizes, rows), planes[1], backend)
+        w = _values_as_factors(_evaluation(w_sizes, rows), left, backend)
+        p = _values_as_factors(_evaluation(p_sizes, rows), right, backend)
         angles = -_angles(jnp.arange(length), rows, points, real_dtype)
         # The points j > K are, where paired, the adjoints of those j < N - K:
         # S + S^H, with the real point j = 0 at half weight. Row N of the second
@@ -247,22 +285,20 @@ def _on_circle(
         weights = lax.complex(jnp.cos(angles), jnp.sin(angles)) * share
         return weights * jnp.exp2(scale - whole)[:, None], w, p
 
+    def interpolated(rows):
+        return _interpolated(*pass_terms(rows), backend, left.adjoint)
+
     def one_pass(i, total):
-        rows = i * length + jnp.arange(length)
-        return total + _interpolated(*pass_terms(rows), backend)
+        return total + interpolated(i * length + jnp.arange(length))
 
     if isinstance(paired, bool):  # known in advance: one pass of the points needed
-        rows = jnp.arange(length if paired else points)
-        total = _interpolated(*pass_terms(rows), backend)
+        total = interpolated(jnp.arange(length if paired else points))
     else:
         passes = jnp.where(paired, 1, 2)
-        total = lax.fori_loop(0, passes, one_pass, jnp.zeros_like(left.mantissa))
+        shape = (length,) + left.planes.shape[-2:]
+        total = lax.fori_loop(0, passes, one_pass, jnp.zeros(shape, left.dtype))
     total = jnp.where(paired, total + adjoint(total), total)
     return normalised(total, whole.astype(jnp.int32))
-
-
-def adjoint(x: Array) -> Array:
-    return jnp.conj(jnp.swapaxes(x, -1, -2))
 
 
 def largest_terms(left: Int[Array, " L"], right: Int[Array, " L"]) -> Int[Array, " L"]:
@@ -277,8 +313,8 @@ def largest_terms(left: Int[Array, " L"], right: Int[Array, " L"]) -> Int[Array,
 
 
 def _summed_directly(
-    left: Scaled,
-    right: Scaled,
+    left: PlaneSeries,
+    right: PlaneSeries,
     rows: Bool[Array, " L"],
     paired: bool | Bool[Array, ""],
     backend: str,
@@ -289,7 +325,7 @@ def _summed_directly(
     `a <= m - a` are computed, and the row is `S + S^H`."""
     length = left.exponent.shape[0]
     index = jnp.arange(length)
-    real_dtype = left.mantissa.real.dtype
+    real_dtype = left.planes.dtype
 
     def next_row(after):
         return jnp.min(jnp.where(rows & (index > after), index, length))
@@ -298,8 +334,8 @@ def _summed_directly(
 
     def step(state):
         y, row, m, a = state
-        lhs = complex_factors(left.mantissa[a], backend)
-        rhs = complex_factors(right.mantissa[m - a], backend)
+        lhs = complex_factors(left.row(a), backend)
+        rhs = complex_factors(right.row(m - a), backend)
         product = complex_product(lhs, rhs, (((1,), (0,)), ((), ())), backend)
         exponent = jnp.maximum(left.exponent[a] + right.exponent[m - a], ZERO_EXPONENT)
         top = tops[m]
@@ -317,14 +353,14 @@ def _summed_directly(
         return y, row, jnp.where(done, next_row(m), m), jnp.where(done, 0, a + 1)
 
     zero = jnp.zeros((), jnp.int32)
-    start = (into, jnp.zeros_like(left.mantissa[0]), next_row(-1), zero)
+    start = (into, jnp.zeros(left.planes.shape[-2:], left.dtype), next_row(-1), zero)
     y, _, _, _ = lax.while_loop(lambda s: s[2] < length, step, start)
     return y
 
 
 def cauchy_product_at_points(
-    left: Scaled,
-    right: Scaled,
+    left: Scaled | PlaneSeries,
+    right: Scaled | PlaneSeries,
     paired: bool | Bool[Array, ""] = False,
     backend: str | None = None,
 ) -> Scaled:
@@ -333,6 +369,7 @@ def cauchy_product_at_points(
     terms `(a, m - a)` and `(m - a, a)` are adjoints), within [`LOSS_BITS`][] of the
     direct sum's accuracy for every coefficient."""
     backend = jax.default_backend() if backend is None else backend
+    left, right = PlaneSeries.of(left), PlaneSeries.of(right)
     length = left.exponent.shape[0]
     radii = jnp.arange(-RADIUS_BOUND, RADIUS_BOUND + RADIUS_STEP / 2, RADIUS_STEP)
     loss, zero = losses(left.exponent, right.exponent, radii)
@@ -343,20 +380,20 @@ def cauchy_product_at_points(
     losses_used = jnp.where(used[None, :], loss[:, indices], jnp.inf)
     circle_of = jnp.argmin(losses_used, axis=1)
     served = (jnp.min(losses_used, axis=1) <= LOSS_BITS) & ~zero
-    planes = (_planes(left.mantissa), _planes(right.mantissa))
-    real_dtype = planes[0].dtype
+    real_dtype = left.planes.dtype
 
     def circle(i, y):
         radius = radii[indices[i]].astype(real_dtype)
-        on_circle = _on_circle(left, right, planes, radius, paired, backend)
+        on_circle = _on_circle(left, right, radius, paired, backend)
         mine = served & (circle_of == i)
         return Scaled(
             jnp.where(mine[:, None, None], on_circle.mantissa, y.mantissa),
             jnp.where(mine, on_circle.exponent, y.exponent),
         )
 
+    shape = (length,) + left.planes.shape[-2:]
     start = Scaled(
-        jnp.zeros_like(left.mantissa), jnp.full((length,), ZERO_EXPONENT, jnp.int32)
+        jnp.zeros(shape, left.dtype), jnp.full((length,), ZERO_EXPONENT, jnp.int32)
     )
     y = lax.fori_loop(0, jnp.sum(used), circle, start)
     return _summed_directly(left, right, ~served & ~zero, paired, backend, y)

@@ -31,6 +31,7 @@ from ._points import (
     adjoint,
     cauchy_product_at_points,
     largest_terms,
+    PlaneSeries,
     weighted_sums,
 )
 from ._scaled import normalised, powers_of_two, Scaled, ZERO_EXPONENT, zeros
@@ -353,7 +354,8 @@ def _propagators(
     observable: Terms,
     order: int,
     unitary: bool | Bool[Array, ""] = False,
-) -> tuple[Scaled, Scaled]:
+    as_planes: bool = False,
+) -> tuple[Scaled | PlaneSeries, Scaled | PlaneSeries]:
     """Normalised Taylor coefficients `0..K` of `W = V⁻¹` and of `P = X_0 V`.
 
     Step `k` of one scan computes, from coefficients already known,
@@ -366,6 +368,9 @@ def _propagators(
     `P` lags one step, so the scan runs to `K + 1`, with one slack row. From
     [`PLANES_FROM`][] on, a factored generator and observable read `V` as real and
     imaginary planes, for their weighted sums, and `V` is kept as those alone.
+    There, `as_planes` (for the product at points, which reads planes) returns `P`
+    as planes too, and where `unitary` is known in advance, `W` as `V`'s planes
+    read as their adjoints: no series of `W` is stored or copied.
     """
     length = order + 2
     n = _matrices(observable).shape[-1]
@@ -377,6 +382,9 @@ def _propagators(
         observable, FactoredTerms
     )
     use_planes = both_factored and n >= PLANES_FROM
+    as_planes = as_planes and use_planes
+    # `W = V^H` read from `V`'s planes: no `W` in the scan.
+    w_from_planes = as_planes and unitary is True
     constant_rows = ()
     if use_planes:
         assert isinstance(hamiltonian, FactoredTerms)
@@ -420,11 +428,15 @@ def _propagators(
             return hamiltonian.product(w, m, 1j * step_factor, generator_first=False)
 
         if isinstance(unitary, bool):  # known in advance: one branch in the program
-            new_w = inverse_by_adjoint() if unitary else inverse_by_products()
+            if not w_from_planes:
+                new_w = inverse_by_adjoint() if unitary else inverse_by_products()
+                w = w.with_row(k, new_w)
         else:
-            new_w = lax.cond(unitary, inverse_by_adjoint, inverse_by_products)
+            w = w.with_row(
+                k, lax.cond(unitary, inverse_by_adjoint, inverse_by_products)
+            )
         if use_planes:
-            new_planes = jnp.stack([new_v.mantissa.real, new_v.mantissa.imag])
+            new_planes = _planes_of(new_v.mantissa)
             planes = lax.dynamic_update_index_in_dim(planes, new_planes, k, 0)
             # V's mantissas live in its planes alone; its exponents are kept here.
             exponent = lax.dynamic_update_index_in_dim(v.exponent, new_v.exponent, k, 0)
@@ -432,19 +444,31 @@ def _propagators(
             latest = new_v.mantissa
         else:
             v = v.with_row(k, new_v)
-        return (v, planes, w.with_row(k, new_w), latest), new_p
+        p_rows = _planes_of(new_p.mantissa) if as_planes else new_p.mantissa
+        return (v, planes, w, latest), (p_rows, new_p.exponent)
 
     v, planes, latest = start, None, None
     if use_planes:
-        planes = jnp.stack([start.mantissa.real, start.mantissa.imag], axis=1)
+        planes = _planes_of(start.mantissa, axis=1)
         # No complex copy of V's coefficients: 16 n^2 (K + 2) bytes fewer.
         v = Scaled(jnp.zeros((length, 0, 0), dtype), start.exponent)
         # The newest coefficient's mantissa, for the constant terms. Read from the
         # planes, which the step then updates, it made XLA copy them every step.
         latest = start.mantissa[0]
-    carry = (v, planes, start, latest)
-    (_, _, w, _), p = lax.scan(step, carry, jnp.arange(1, length))
+    carry = (v, planes, None if w_from_planes else start, latest)
+    (v, planes, w, _), outputs = lax.scan(step, carry, jnp.arange(1, length))
+    p = PlaneSeries(*outputs) if as_planes else Scaled(*outputs)
+    if w_from_planes:
+        assert planes is not None
+        rows = order + 1
+        return PlaneSeries(planes[:rows], v.exponent[:rows], adjoint=True), p
+    assert w is not None
     return w[: order + 1], p
+
+
+def _planes_of(x: Complex[Array, "*batch n n"], axis: int = 0) -> Real[Array, "..."]:
+    """The real and imaginary planes of `x`, stacked along `axis`."""
+    return jnp.stack([x.real, x.imag], axis=axis)
 
 
 # Up to this size a first call of the series is mostly compiling, so it is compiled
@@ -633,9 +657,12 @@ def _coefficients(
         unitary, paired = False, False
         hamiltonian = _without_diagonal_shortcut(hamiltonian)
         observable = _without_diagonal_shortcut(observable)
-    w, p = _propagators(hamiltonian, observable, order, unitary)
-    if fast and _at_points_pays(hamiltonian, _matrices(observable).shape[-1], order):
+    n = _matrices(observable).shape[-1]
+    at_points = fast and _at_points_pays(hamiltonian, n, order)
+    w, p = _propagators(hamiltonian, observable, order, unitary, as_planes=at_points)
+    if at_points:
         return cauchy_product_at_points(w, p, paired)
+    assert isinstance(w, Scaled) and isinstance(p, Scaled)
     return _cauchy_product(w, p, paired)
 
 
