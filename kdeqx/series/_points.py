@@ -66,9 +66,10 @@ def adjoint(x: Array) -> Array:
 class PlaneSeries(eqx.Module):
     """A series in scaled form whose mantissas are kept as real and imaginary planes,
     as the evaluations at points read them. With `adjoint`, the series is that of
-    the planes' adjoints: `W = V^H` read from `V`'s own planes, never stored."""
+    the planes' adjoints: `W = V^H` read from `V`'s own planes, never stored. The
+    planes may hold rows past the last exponent's (a scan's slack row), unread."""
 
-    planes: Real[Array, "L 2 n n"]
+    planes: Real[Array, "rows 2 n n"]
     exponent: Int[Array, " L"]
     adjoint: bool = eqx.field(static=True, default=False)
 
@@ -204,7 +205,7 @@ def _values_as_factors(
     if series.adjoint:
         weights = jnp.conj(weights)
     if backend != "cpu":
-        values = weighted_sums(weights, planes)
+        values = weighted_sums(_padded_terms(weights, planes.shape[0], 1), planes)
         return complex_factors(adjoint(values) if series.adjoint else values, backend)
     wr, wi = weights.real, weights.imag
     # Columns `(a, plane)`: the real part, the imaginary part, and their sum; of
@@ -215,10 +216,19 @@ def _values_as_factors(
         parts = [(wr, -wi), (wi, wr), (wr + wi, wr - wi)]
     by_part = jnp.stack([jnp.stack(part, axis=-1) for part in parts])
     count, length, n = weights.shape[0], planes.shape[0], planes.shape[-1]
+    # Rows past the series' own, if any, weighted by zeros.
+    by_part = _padded_terms(by_part, length, axis=2)
     matrix = by_part.reshape(3 * count, 2 * length)
     planes = planes.reshape(2 * length, n, n)
     values = jnp.tensordot(matrix, planes, 1, precision=FULL_PRECISION)
     return values.reshape(3, count, n, n)
+
+
+def _padded_terms(weights: Array, length: int, axis: int) -> Array:
+    """`weights` followed by zeros up to `length` terms along `axis`."""
+    widths = [(0, 0)] * weights.ndim
+    widths[axis] = (0, length - weights.shape[axis])
+    return jnp.pad(weights, widths)
 
 
 def _interpolated(

@@ -449,19 +449,21 @@ def _propagators(
 
     v, planes, latest = start, None, None
     if use_planes:
-        planes = _planes_of(start.mantissa, axis=1)
+        real_dtype = jnp.finfo(dtype).dtype
+        half = identity.mantissa.real.astype(real_dtype)
+        planes = jnp.zeros((length, 2, n, n), real_dtype).at[0, 0].set(half)
         # No complex copy of V's coefficients: 16 n^2 (K + 2) bytes fewer.
         v = Scaled(jnp.zeros((length, 0, 0), dtype), start.exponent)
         # The newest coefficient's mantissa, for the constant terms. Read from the
         # planes, which the step then updates, it made XLA copy them every step.
-        latest = start.mantissa[0]
+        latest = identity.mantissa
     carry = (v, planes, None if w_from_planes else start, latest)
     (v, planes, w, _), outputs = lax.scan(step, carry, jnp.arange(1, length))
     p = PlaneSeries(*outputs) if as_planes else Scaled(*outputs)
     if w_from_planes:
         assert planes is not None
-        rows = order + 1
-        return PlaneSeries(planes[:rows], v.exponent[:rows], adjoint=True), p
+        # All of V's planes, the slack row unread: no copy of the others.
+        return PlaneSeries(planes, v.exponent[: order + 1], adjoint=True), p
     assert w is not None
     return w[: order + 1], p
 
