@@ -55,8 +55,10 @@ def weighted_sums(
     return lax.complex(by_real[:, 0] - by_imag[:, 1], by_real[:, 1] + by_imag[:, 0])
 
 
-def _planes(x: Complex[Array, "L n n"]) -> Real[Array, "L 2 n n"]:
-    return jnp.stack([x.real, x.imag], axis=1)
+def planes_of(x: Complex[Array, "*batch n n"]) -> Real[Array, "*batch 2 n n"]:
+    """The real and imaginary planes of matrices `x`, side by side before the
+    matrix axes."""
+    return jnp.stack([x.real, x.imag], axis=-3)
 
 
 def adjoint(x: Array) -> Array:
@@ -77,7 +79,7 @@ class PlaneSeries(eqx.Module):
     def of(series: "Scaled | PlaneSeries") -> "PlaneSeries":
         if isinstance(series, PlaneSeries):
             return series
-        return PlaneSeries(_planes(series.mantissa), series.exponent)
+        return PlaneSeries(planes_of(series.mantissa), series.exponent)
 
     @property
     def dtype(self):
@@ -244,7 +246,9 @@ def _interpolated(
     `(a + b)(c + d)`, before they are combined."""
     numbers = (((2,), (1,)), ((0,), (0,)))
     if backend != "cpu":
-        return weighted_sums(weights, _planes(complex_product(w, p, numbers, backend)))
+        return weighted_sums(
+            weights, planes_of(complex_product(w, p, numbers, backend))
+        )
     numbers = (((2 if w_transposed else 3,), (2,)), ((0, 1), (0, 1)))
     parts = lax.dot_general(w, p, numbers, FULL_PRECISION)
     gr, gi = weights.real, weights.imag

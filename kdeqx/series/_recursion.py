@@ -31,6 +31,7 @@ from ._points import (
     adjoint,
     cauchy_product_at_points,
     largest_terms,
+    planes_of,
     PlaneSeries,
     weighted_sums,
 )
@@ -436,7 +437,7 @@ def _propagators(
                 k, lax.cond(unitary, inverse_by_adjoint, inverse_by_products)
             )
         if use_planes:
-            new_planes = _planes_of(new_v.mantissa)
+            new_planes = planes_of(new_v.mantissa)
             planes = lax.dynamic_update_index_in_dim(planes, new_planes, k, 0)
             # V's mantissas live in its planes alone; its exponents are kept here.
             exponent = lax.dynamic_update_index_in_dim(v.exponent, new_v.exponent, k, 0)
@@ -444,7 +445,7 @@ def _propagators(
             latest = new_v.mantissa
         else:
             v = v.with_row(k, new_v)
-        p_rows = _planes_of(new_p.mantissa) if as_planes else new_p.mantissa
+        p_rows = planes_of(new_p.mantissa) if as_planes else new_p.mantissa
         return (v, planes, w, latest), (p_rows, new_p.exponent)
 
     v, planes, latest = start, None, None
@@ -466,11 +467,6 @@ def _propagators(
         return PlaneSeries(planes, v.exponent[: order + 1], adjoint=True), p
     assert w is not None
     return w[: order + 1], p
-
-
-def _planes_of(x: Complex[Array, "*batch n n"], axis: int = 0) -> Real[Array, "..."]:
-    """The real and imaginary planes of `x`, stacked along `axis`."""
-    return jnp.stack([x.real, x.imag], axis=axis)
 
 
 # Up to this size a first call of the series is mostly compiling, so it is compiled
