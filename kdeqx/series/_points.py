@@ -43,11 +43,23 @@ RADIUS_BOUND = 32.0
 
 
 def weighted_sums(
-    weights: Complex[Array, "J L"], planes: Real[Array, "L 2 n n"]
+    weights: Complex[Array, "J L"],
+    planes: Real[Array, "L 2 n n"],
+    along_rows: bool = False,
 ) -> Complex[Array, "J n n"]:
     """`sum_i weights[:, i] x[i]` for `x` stored as real and imaginary planes: one
     real matrix product, which on the CPU runs at memory speed where the complex
-    one (a `J x L` by `L x n^2` product) takes several times as long."""
+    one (a `J x L` by `L x n^2` product) takes several times as long.
+
+    `along_rows`: as products summed along the rows instead, with no contraction.
+    A TPU lays a contraction's rows out inside its tiles, so a scan that writes one
+    row a step into the planes it sums rewrites all of them in each step; summed
+    along the rows, the planes keep one row after another."""
+    if along_rows:
+        wr, wi = weights.real[..., None, None], weights.imag[..., None, None]
+        re, im = planes[None, :, 0], planes[None, :, 1]
+        by_real = jnp.sum(wr * re - wi * im, axis=1)
+        return lax.complex(by_real, jnp.sum(wr * im + wi * re, axis=1))
     count = weights.shape[0]
     real_weights = jnp.concatenate([weights.real, weights.imag])
     parts = jnp.tensordot(real_weights, planes, 1, precision=FULL_PRECISION)

@@ -93,6 +93,17 @@ PARTS_FROM = 64
 PARTS = 8
 
 
+def _part_bounds(length: int) -> list[int]:
+    """The ends of [`PARTS`][] equal parts of `length` coefficients, rounded up."""
+    parts = min(PARTS, length)
+    return [-(-length * (j + 1) // parts) for j in range(parts)]
+
+
+def _part_of(m: Int[Array, ""], bounds: list[int]) -> Int[Array, ""]:
+    """The first part that holds coefficients `0..m`: the first bound past `m`."""
+    return jnp.sum(m >= jnp.asarray(bounds[:-1]))
+
+
 def _real_sum_of_products(
     real: Real[Array, "L n n"], x: Complex[Array, "L n n"], real_first: bool
 ) -> Complex[Array, "n n"]:
@@ -161,15 +172,12 @@ class DenseTerms(eqx.Module):
         products."""
         if x.mantissa.shape[-1] < PARTS_FROM:
             return self._product_of_first(x, m, factor, generator_first, None)
-        length = x.exponent.shape[0]
-        parts = min(PARTS, length)
-        # Part j multiplies X[0..bounds[j]): the first part whose bound exceeds m.
-        bounds = [-(-length * (j + 1) // parts) for j in range(parts)]
+        bounds = _part_bounds(x.exponent.shape[0])
         branches = [
             ft.partial(self._product_of_first, x, m, factor, generator_first, rows)
             for rows in bounds
         ]
-        return lax.switch(jnp.sum(m >= jnp.asarray(bounds[:-1])), branches)
+        return lax.switch(_part_of(m, bounds), branches)
 
     def _product_of_first(
         self, x: Scaled, m, factor, generator_first: bool, rows: int | None
@@ -319,6 +327,32 @@ Terms = DenseTerms | FactoredTerms
 # real `J x L` by `L x n^2` product is several times faster than the complex one;
 # below, the planes' upkeep costs more compile time than the sums save.
 PLANES_FROM = 128
+# Backends whose propagators sum `V`'s planes along the rows rather than by a
+# contraction (`weighted_sums`' `along_rows`): on a TPU the scan runs markedly
+# faster and compiles sooner; on the CPU the contraction is the faster. There, from
+# `SUMS_IN_PARTS_FROM` on, a step sums only the rows that can have weights, up to
+# its own, rounded up to one of `PARTS` parts of the order, each a branch; below,
+# the branches cost more compile time than they save (`benchmarks/series_sums.py`).
+SUMS_ALONG_ROWS_ON = ("tpu",)
+SUMS_IN_PARTS_FROM = 512
+
+
+def _sums_of_rows(
+    weights: Complex[Array, "J L"], planes: Real[Array, "L 2 n n"], m: Int[Array, ""]
+) -> Complex[Array, "J n n"]:
+    """`weighted_sums` of `V`'s planes, whose rows past `m` have zero weights (they
+    are not yet computed): on the backends of `SUMS_ALONG_ROWS_ON`, along the rows,
+    and from `SUMS_IN_PARTS_FROM` on, over the rows up to `m`'s part alone."""
+    if jax.default_backend() not in SUMS_ALONG_ROWS_ON:
+        return weighted_sums(weights, planes)
+    if planes.shape[-1] < SUMS_IN_PARTS_FROM:
+        return weighted_sums(weights, planes, along_rows=True)
+    bounds = _part_bounds(planes.shape[0])
+    branches = [
+        ft.partial(weighted_sums, weights[:, :rows], planes[:rows], True)
+        for rows in bounds
+    ]
+    return lax.switch(_part_of(m, bounds), branches)
 
 
 def _sums_sparing_constants(
@@ -338,7 +372,7 @@ def _sums_sparing_constants(
     others = [row for row in range(count) if row not in constant_rows]
     by_row = {row: weights[row, m] * current for row in constant_rows}
     if others:
-        summed = weighted_sums(weights[jnp.asarray(others)], planes)
+        summed = _sums_of_rows(weights[jnp.asarray(others)], planes, m)
         by_row.update(zip(others, summed))
     return jnp.stack([by_row[row] for row in range(count)])
 

@@ -1,0 +1,156 @@
+"""The operator series' weighted sums over `V`'s planes, written several ways, on
+the backend at hand (meant for a TPU, where the planes' layout decides what a step
+of the propagators' scan costs).
+
+    python benchmarks/series_sums.py [--n 1024 256] [--order 40] [--hlo FILE]
+
+1. A scan shaped like the propagators' (`K + 1` steps over planes of shape
+   `(K + 2, 2, n, n)`): each step sums the rows weighted by scalars and writes one
+   new row. The sums as a contraction (`weighted_sums` as the CPU takes it), along
+   the rows (`along_rows`, as a TPU takes it), and not at all (the row's write
+   alone).
+2. `kdeqx.OperatorSeries` (complex64, `H0 + cos(t) H1`, diagonal `X_0`) with the
+   propagators' sums as a contraction, along the rows, and along the rows up to
+   the step's own alone (in parts, a branch each: `SUMS_IN_PARTS_FROM`): first
+   call, steady time (best of 5) and the largest difference from the first.
+
+With `--hlo`, the compiled program of the series with contractions at the largest
+`n` is written to FILE.
+"""
+
+import argparse
+import time
+
+import equinox as eqx
+import jax
+import jax.lax as lax
+import jax.numpy as jnp
+import numpy as np
+
+import kdeqx
+from kdeqx._backend import FULL_PRECISION
+from kdeqx.series import _points, _recursion
+
+
+def timed(fn, repeats=5):
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    first = time.perf_counter() - start
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - start)
+    return first, best, out
+
+
+def scan_like(n, order, sums):
+    """The propagators' scan with only the weighted sums and the row writes."""
+    length = order + 2
+
+    def run(weights):
+        planes = jnp.zeros((length, 2, n, n), jnp.float32).at[0, 0].set(jnp.eye(n))
+
+        def step(planes, k):
+            live = jnp.arange(length) < k
+            w = jnp.where(live, weights, 0)[None]
+            if sums is None:
+                total = lax.complex(planes[k - 1, 0], planes[k - 1, 1])
+            else:
+                total = sums(w, planes)[0]
+            new = jnp.stack([total.real, total.imag]) * 0.5
+            return lax.dynamic_update_index_in_dim(planes, new, k, 0), None
+
+        return lax.scan(step, planes, jnp.arange(1, length))[0]
+
+    return jax.jit(run)
+
+
+def section_scan(sizes, order):
+    print("1. a scan shaped like the propagators': sums and row writes")
+    weights = jnp.asarray(
+        np.random.default_rng(0).standard_normal(order + 2), jnp.complex64
+    ) * (1 + 0.5j)
+    for n in sizes:
+        ways = {
+            "contraction": _points.weighted_sums,
+            "along rows": lambda w, planes: _points.weighted_sums(w, planes, True),
+            "writes only": None,
+        }
+        reference = None
+        for name, sums in ways.items():
+            run = scan_like(n, order, sums)
+            first, best, out = timed(lambda: run(weights))
+            if reference is None:
+                reference = out
+            scale = float(jnp.max(jnp.abs(reference)))
+            difference = float(jnp.max(jnp.abs(out - reference))) / scale
+            if sums is None:  # another computation: nothing to compare
+                difference = 0.0
+            print(
+                f"  n={n} K={order} {name:>12}: first {first:.2f} s, steady "
+                f"{best * 1e3:.2f} ms; relative difference {difference:.1e}"
+            )
+
+
+def hermitian(key, n):
+    a, b = jax.random.normal(key, (2, n, n), jnp.float32)
+    m = (a + 1j * b) / np.sqrt(2 * n)
+    return ((m + m.conj().T) / 2).astype(jnp.complex64)
+
+
+NEVER = 2**31
+
+
+def section_series(sizes, order, hlo):
+    print("2. OperatorSeries, complex64, the propagators' sums each way")
+    t = jnp.float32(0.3)
+    backend = jax.default_backend()
+    ways = {
+        "contraction": ((), NEVER),
+        "along rows": ((backend,), NEVER),
+        "along rows, rows <= m": ((backend,), 0),
+    }
+    defaults = _recursion.SUMS_ALONG_ROWS_ON, _recursion.SUMS_IN_PARTS_FROM
+    for n in sizes:
+        k0, k1, k2 = jax.random.split(jax.random.key(n), 3)
+        h0, h1 = hermitian(k0, n), hermitian(k1, n)
+        x0 = jnp.diag(jax.random.normal(k2, (n,))).astype(jnp.complex64)
+        series = kdeqx.OperatorSeries(lambda t: h0 + jnp.cos(t) * h1, x0, order)
+        reference = None
+        for name, (along, parts_from) in ways.items():
+            _recursion.SUMS_ALONG_ROWS_ON = along
+            _recursion.SUMS_IN_PARTS_FROM = parts_from
+            jax.clear_caches()
+            run = eqx.filter_jit(lambda s, t: s.normalised(t))
+            first, best, out = timed(lambda: run(series, t))
+            if reference is None:
+                reference = out
+                if hlo and n == max(sizes):
+                    with open(hlo, "w") as file:
+                        compiled = run.lower(series, t).lowered.compile()
+                        file.write(compiled.as_text() or "")
+            difference = float(jnp.max(jnp.abs(out - reference)))
+            print(
+                f"  n={n} K={order} {name:>22}: first {first:.2f} s, steady "
+                f"{best * 1e3:.2f} ms; max difference {difference:.1e}"
+            )
+        _recursion.SUMS_ALONG_ROWS_ON, _recursion.SUMS_IN_PARTS_FROM = defaults
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=int, nargs="+", default=[1024, 256])
+    parser.add_argument("--order", type=int, default=40)
+    parser.add_argument("--hlo")
+    parser.add_argument("--sections", type=int, nargs="+", default=[1, 2])
+    args = parser.parse_args()
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; {FULL_PRECISION}")
+    if 1 in args.sections:
+        section_scan(args.n, args.order)
+    if 2 in args.sections:
+        section_series(args.n, args.order, args.hlo)
+
+
+if __name__ == "__main__":
+    main()
