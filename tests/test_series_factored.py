@@ -162,11 +162,19 @@ def test_the_constant_term_is_known_while_tracing():
 
 
 @pytest.mark.x64
-def test_sums_spare_the_constant_terms(monkeypatch):
+@pytest.mark.parametrize("sums", ["contraction", "along rows", "rows so far"])
+def test_sums_spare_the_constant_terms(monkeypatch, sums):
     """From `PLANES_FROM` on (lowered here), a factored generator and observable read
     the propagator as real planes, and their constant terms (`H0`, a constant `X_0`)
     scale its newest coefficient instead of summing over all of them: values and
-    derivatives are the general path's, with and without constant terms."""
+    derivatives are the general path's, with and without constant terms. The sums
+    of the other terms each way a backend may take them: by a contraction (the
+    CPU's), along the rows (a TPU's), and over the rows up to the step's own alone
+    (a TPU's from `SUMS_IN_PARTS_FROM` on)."""
+    if sums != "contraction":
+        monkeypatch.setattr(_recursion, "SUMS_ALONG_ROWS_ON", (jax.default_backend(),))
+    if sums == "rows so far":
+        monkeypatch.setattr(_recursion, "SUMS_IN_PARTS_FROM", 1)
     h0, h1, h2 = matrices(3, 4, jnp.float64)
     x0, x1 = matrices(2, 4, jnp.float64, seed=1)
     cases = [

@@ -92,6 +92,19 @@ def test_product_at_points_reads_w_as_adjoint_planes(backend, paired):
 
 
 @pytest.mark.x64
+@pytest.mark.parametrize("along_rows", [False, True])
+def test_weighted_sums_of_planes(along_rows):
+    """`sum_i weights[:, i] x[i]` for `x` given as real and imaginary planes, by a
+    contraction and along the rows: numpy's sums, to rounding."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(7, 4, 4)) + 1j * rng.normal(size=(7, 4, 4))
+    weights = rng.normal(size=(3, 7)) + 1j * rng.normal(size=(3, 7))
+    planes = _points.planes_of(jnp.asarray(x))
+    got = _points.weighted_sums(jnp.asarray(weights), planes, along_rows)
+    np.testing.assert_allclose(got, np.einsum("ji,ikl->jkl", weights, x), rtol=1e-13)
+
+
+@pytest.mark.x64
 def test_circles_serve_a_propagator_and_leave_wild_coefficients_to_direct_sums():
     """Factorial decay (K = 40): a few circles serve every coefficient but the
     lowest, which are cheaper summed directly. Wild exponents: most coefficients

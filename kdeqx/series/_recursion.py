@@ -334,7 +334,7 @@ PLANES_FROM = 128
 # its own, rounded up to one of `PARTS` parts of the order, each a branch; below,
 # the branches cost more compile time than they save (`benchmarks/series_sums.py`).
 SUMS_ALONG_ROWS_ON = ("tpu",)
-SUMS_IN_PARTS_FROM = 512
+SUMS_IN_PARTS_FROM = 1024
 
 
 def _sums_of_rows(
