@@ -14,8 +14,8 @@ of the propagators' scan costs).
    the step's own alone (in parts, a branch each: `SUMS_IN_PARTS_FROM`): first
    call, steady time (best of 5) and the largest difference from the first.
 
-With `--hlo`, the compiled program of the series with contractions at the largest
-`n` is written to FILE.
+With `--hlo`, the compiled program of the series at the largest `n` is written to
+FILE.0, FILE.1 and FILE.2, one for each way of section 2.
 """
 
 import argparse
@@ -118,7 +118,7 @@ def section_series(sizes, order, hlo):
         x0 = jnp.diag(jax.random.normal(k2, (n,))).astype(jnp.complex64)
         series = kdeqx.OperatorSeries(lambda t: h0 + jnp.cos(t) * h1, x0, order)
         reference = None
-        for name, (along, parts_from) in ways.items():
+        for index, (name, (along, parts_from)) in enumerate(ways.items()):
             _recursion.SUMS_ALONG_ROWS_ON = along
             _recursion.SUMS_IN_PARTS_FROM = parts_from
             jax.clear_caches()
@@ -126,10 +126,10 @@ def section_series(sizes, order, hlo):
             first, best, out = timed(lambda: run(series, t))
             if reference is None:
                 reference = out
-                if hlo and n == max(sizes):
-                    with open(hlo, "w") as file:
-                        compiled = run.lower(series, t).lowered.compile()
-                        file.write(compiled.as_text() or "")
+            if hlo and n == max(sizes):
+                with open(f"{hlo}.{index}", "w") as file:
+                    compiled = run.lower(series, t).lowered.compile()
+                    file.write(compiled.as_text() or "")
             difference = float(jnp.max(jnp.abs(out - reference)))
             print(
                 f"  n={n} K={order} {name:>22}: first {first:.2f} s, steady "
