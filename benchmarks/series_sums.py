@@ -14,6 +14,11 @@ of the propagators' scan costs).
    the step's own alone (in parts, a branch each: `SUMS_IN_PARTS_FROM`): first
    call, steady time (best of 5) and the largest difference from the first.
 
+3. The product at points' sums alone: values at `K + 1` points from `K + 2`
+   coefficients, by a contraction with the planes as they are and with the planes
+   flattened to `(K + 2, 2 n^2)`.
+4. The series with the product at points' sums each of those ways.
+
 With `--hlo`, the compiled program of the series at the largest `n` is written to
 FILE.0, FILE.1 and FILE.2, one for each way of section 2.
 """
@@ -138,6 +143,67 @@ def section_series(sizes, order, hlo):
         _recursion.SUMS_ALONG_ROWS_ON, _recursion.SUMS_IN_PARTS_FROM = defaults
 
 
+def flat_sums(weights, planes, along_rows=False):
+    """`weighted_sums` as one contraction of the weights with the planes flattened
+    to `(L, 2 n^2)`, a plain matrix product."""
+    if along_rows:
+        return _points.weighted_sums(weights, planes, True)
+    count, n = weights.shape[0], planes.shape[-1]
+    real_weights = jnp.concatenate([weights.real, weights.imag])
+    flat = planes.reshape(planes.shape[0], -1)
+    parts = jnp.dot(real_weights, flat, precision=FULL_PRECISION)
+    parts = parts.reshape(2 * count, 2, n, n)
+    by_real, by_imag = parts[:count], parts[count:]
+    return lax.complex(by_real[:, 0] - by_imag[:, 1], by_real[:, 1] + by_imag[:, 0])
+
+
+def section_points(sizes, order):
+    print("3. values at K + 1 points, and back to K + 1 coefficients, each way")
+    rng = np.random.default_rng(1)
+    length = order + 2
+    weights = rng.standard_normal((order + 1, length)) * (1 + 0.3j)
+    weights = jnp.asarray(weights, jnp.complex64)
+    for n in sizes:
+        planes = jnp.asarray(rng.standard_normal((length, 2, n, n)), jnp.float32)
+        reference = None
+        for name, sums in [("4-D", _points.weighted_sums), ("flat", flat_sums)]:
+            run = jax.jit(sums)
+            first, best, out = timed(lambda: run(weights, planes))
+            if reference is None:
+                reference = out
+            scale = float(jnp.max(jnp.abs(reference)))
+            difference = float(jnp.max(jnp.abs(out - reference))) / scale
+            print(
+                f"  n={n} K={order} contraction {name:>4}: first {first:.2f} s, "
+                f"steady {best * 1e3:.2f} ms; relative difference {difference:.1e}"
+            )
+
+
+def section_series_points(sizes, order):
+    print("4. OperatorSeries, complex64, the product at points' sums each way")
+    t = jnp.float32(0.3)
+    original = _points.weighted_sums
+    for n in sizes:
+        k0, k1, k2 = jax.random.split(jax.random.key(n), 3)
+        h0, h1 = hermitian(k0, n), hermitian(k1, n)
+        x0 = jnp.diag(jax.random.normal(k2, (n,))).astype(jnp.complex64)
+        series = kdeqx.OperatorSeries(lambda t: h0 + jnp.cos(t) * h1, x0, order)
+        reference = None
+        for name, sums in [("4-D", original), ("flat", flat_sums)]:
+            _points.weighted_sums = sums
+            jax.clear_caches()
+            run = eqx.filter_jit(lambda s, t: s.normalised(t))
+            first, best, out = timed(lambda: run(series, t))
+            if reference is None:
+                reference = out
+            difference = float(jnp.max(jnp.abs(out - reference)))
+            print(
+                f"  n={n} K={order} contraction {name:>4}: first {first:.2f} s, "
+                f"steady {best * 1e3:.2f} ms; max difference {difference:.1e}"
+            )
+        _points.weighted_sums = original
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, nargs="+", default=[1024, 256])
@@ -150,6 +216,10 @@ def main():
         section_scan(args.n, args.order)
     if 2 in args.sections:
         section_series(args.n, args.order, args.hlo)
+    if 3 in args.sections:
+        section_points(args.n, args.order)
+    if 4 in args.sections:
+        section_series_points(args.n, args.order)
 
 
 if __name__ == "__main__":
