@@ -192,7 +192,9 @@ def test_sums_spare_the_constant_terms(monkeypatch, sums):
     def grad(series):
         return jax.grad(lambda t: jnp.sum(jnp.abs(series.normalised(t)) ** 2))(t)
 
-    if sums == "along rows":  # its derivatives take the rows so far's sums too
+    # Sums along the rows are differentiated where the rows so far are summed, each
+    # part along the rows.
+    if sums == "along rows":
         return
     hamiltonian, observable = cases[2]
     fast = kdeqx.OperatorSeries(hamiltonian, observable, 7)
