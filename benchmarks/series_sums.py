@@ -24,29 +24,17 @@ FILE.0, FILE.1 and FILE.2, one for each way of section 2.
 """
 
 import argparse
-import time
 
 import equinox as eqx
 import jax
 import jax.lax as lax
 import jax.numpy as jnp
 import numpy as np
+from accelerator import first_and_best
 
 import kdeqx
 from kdeqx._backend import FULL_PRECISION
 from kdeqx.series import _points, _recursion
-
-
-def timed(fn, repeats=5):
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn())
-    first = time.perf_counter() - start
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - start)
-    return first, best, out
 
 
 def scan_like(n, order, sums):
@@ -85,7 +73,7 @@ def section_scan(sizes, order):
         reference = None
         for name, sums in ways.items():
             run = scan_like(n, order, sums)
-            first, best, out = timed(lambda: run(weights))
+            first, best, out = first_and_best(lambda: run(weights), 5)
             if reference is None:
                 reference = out
             scale = float(jnp.max(jnp.abs(reference)))
@@ -104,6 +92,14 @@ def hermitian(key, n):
     return ((m + m.conj().T) / 2).astype(jnp.complex64)
 
 
+def driven_series(n, order):
+    """`H0 + cos(t) H1` with a diagonal `X_0`, complex64, as `accelerator.py` has it."""
+    k0, k1, k2 = jax.random.split(jax.random.key(n), 3)
+    h0, h1 = hermitian(k0, n), hermitian(k1, n)
+    x0 = jnp.diag(jax.random.normal(k2, (n,))).astype(jnp.complex64)
+    return kdeqx.OperatorSeries(lambda t: h0 + jnp.cos(t) * h1, x0, order)
+
+
 NEVER = 2**31
 
 
@@ -118,17 +114,14 @@ def section_series(sizes, order, hlo):
     }
     defaults = _recursion.SUMS_ALONG_ROWS_ON, _recursion.SUMS_IN_PARTS_FROM
     for n in sizes:
-        k0, k1, k2 = jax.random.split(jax.random.key(n), 3)
-        h0, h1 = hermitian(k0, n), hermitian(k1, n)
-        x0 = jnp.diag(jax.random.normal(k2, (n,))).astype(jnp.complex64)
-        series = kdeqx.OperatorSeries(lambda t: h0 + jnp.cos(t) * h1, x0, order)
+        series = driven_series(n, order)
         reference = None
         for index, (name, (along, parts_from)) in enumerate(ways.items()):
             _recursion.SUMS_ALONG_ROWS_ON = along
             _recursion.SUMS_IN_PARTS_FROM = parts_from
             jax.clear_caches()
             run = eqx.filter_jit(lambda s, t: s.normalised(t))
-            first, best, out = timed(lambda: run(series, t))
+            first, best, out = first_and_best(lambda: run(series, t), 5)
             if reference is None:
                 reference = out
             if hlo and n == max(sizes):
@@ -168,7 +161,7 @@ def section_points(sizes, order):
         reference = None
         for name, sums in [("4-D", _points.weighted_sums), ("flat", flat_sums)]:
             run = jax.jit(sums)
-            first, best, out = timed(lambda: run(weights, planes))
+            first, best, out = first_and_best(lambda: run(weights, planes), 5)
             if reference is None:
                 reference = out
             scale = float(jnp.max(jnp.abs(reference)))
@@ -184,16 +177,13 @@ def section_series_points(sizes, order):
     t = jnp.float32(0.3)
     original = _points.weighted_sums
     for n in sizes:
-        k0, k1, k2 = jax.random.split(jax.random.key(n), 3)
-        h0, h1 = hermitian(k0, n), hermitian(k1, n)
-        x0 = jnp.diag(jax.random.normal(k2, (n,))).astype(jnp.complex64)
-        series = kdeqx.OperatorSeries(lambda t: h0 + jnp.cos(t) * h1, x0, order)
+        series = driven_series(n, order)
         reference = None
         for name, sums in [("4-D", original), ("flat", flat_sums)]:
             _points.weighted_sums = sums
             jax.clear_caches()
             run = eqx.filter_jit(lambda s, t: s.normalised(t))
-            first, best, out = timed(lambda: run(series, t))
+            first, best, out = first_and_best(lambda: run(series, t), 5)
             if reference is None:
                 reference = out
             difference = float(jnp.max(jnp.abs(out - reference)))
