@@ -24,6 +24,7 @@ FILE.0, FILE.1 and FILE.2, one for each way of section 2.
 """
 
 import argparse
+import functools as ft
 
 import equinox as eqx
 import jax
@@ -103,37 +104,50 @@ def driven_series(n, order):
 NEVER = 2**31
 
 
+def series_each_way(series, ways, label, hlo=None):
+    """`series` compiled afresh after each `(name, use)` of `ways` (`use()` sets the
+    way), timed against the first way's coefficients; with `hlo`, each way's
+    compiled program written to `hlo.<index>`."""
+    t = jnp.float32(0.3)
+    reference = None
+    for index, (name, use) in enumerate(ways):
+        use()
+        jax.clear_caches()
+        run = eqx.filter_jit(lambda s, t: s.normalised(t))
+        first, best, out = first_and_best(lambda: run(series, t), 5)
+        if reference is None:
+            reference = out
+        if hlo:
+            with open(f"{hlo}.{index}", "w") as file:
+                compiled = run.lower(series, t).lowered.compile()
+                file.write(compiled.as_text() or "")
+        difference = float(jnp.max(jnp.abs(out - reference)))
+        print(
+            f"  {label} {name:>22}: first {first:.2f} s, steady "
+            f"{best * 1e3:.2f} ms; max difference {difference:.1e}"
+        )
+
+
+def summing(along, parts_from):
+    """The propagators' sums along the rows on the backends `along`, in parts from
+    `parts_from` on."""
+    _recursion.SUMS_ALONG_ROWS_ON = along
+    _recursion.SUMS_IN_PARTS_FROM = parts_from
+
+
 def section_series(sizes, order, hlo):
     print("2. OperatorSeries, complex64, the propagators' sums each way")
-    t = jnp.float32(0.3)
     backend = jax.default_backend()
-    ways = {
-        "contraction": ((), NEVER),
-        "along rows": ((backend,), NEVER),
-        "along rows, rows <= m": ((backend,), 0),
-    }
+    ways = [
+        ("contraction", ft.partial(summing, (), NEVER)),
+        ("along rows", ft.partial(summing, (backend,), NEVER)),
+        ("along rows, rows <= m", ft.partial(summing, (backend,), 0)),
+    ]
     defaults = _recursion.SUMS_ALONG_ROWS_ON, _recursion.SUMS_IN_PARTS_FROM
     for n in sizes:
-        series = driven_series(n, order)
-        reference = None
-        for index, (name, (along, parts_from)) in enumerate(ways.items()):
-            _recursion.SUMS_ALONG_ROWS_ON = along
-            _recursion.SUMS_IN_PARTS_FROM = parts_from
-            jax.clear_caches()
-            run = eqx.filter_jit(lambda s, t: s.normalised(t))
-            first, best, out = first_and_best(lambda: run(series, t), 5)
-            if reference is None:
-                reference = out
-            if hlo and n == max(sizes):
-                with open(f"{hlo}.{index}", "w") as file:
-                    compiled = run.lower(series, t).lowered.compile()
-                    file.write(compiled.as_text() or "")
-            difference = float(jnp.max(jnp.abs(out - reference)))
-            print(
-                f"  n={n} K={order} {name:>22}: first {first:.2f} s, steady "
-                f"{best * 1e3:.2f} ms; max difference {difference:.1e}"
-            )
-        _recursion.SUMS_ALONG_ROWS_ON, _recursion.SUMS_IN_PARTS_FROM = defaults
+        largest = hlo if n == max(sizes) else None
+        series_each_way(driven_series(n, order), ways, f"n={n} K={order}", largest)
+    summing(*defaults)
 
 
 def flat_sums(weights, planes, along_rows=False):
@@ -168,8 +182,7 @@ def section_points(sizes, order):
     for n in sizes:
         planes = jnp.asarray(rng.standard_normal((length, 2, n, n)), jnp.float32)
         reference = None
-        ways = [("4-D", _points.weighted_sums), ("flat", flat_sums)]
-        for name, sums in ways + [("complex", complex_sums)]:
+        for name, sums in points_ways().items():
             run = jax.jit(sums)
             first, best, out = first_and_best(lambda: run(weights, planes), 5)
             if reference is None:
@@ -184,25 +197,19 @@ def section_points(sizes, order):
 
 def section_series_points(sizes, order):
     print("4. OperatorSeries, complex64, the product at points' sums each way")
-    t = jnp.float32(0.3)
     original = _points.weighted_sums
+    ways = [
+        (name, ft.partial(setattr, _points, "weighted_sums", sums))
+        for name, sums in points_ways().items()
+    ]
     for n in sizes:
-        series = driven_series(n, order)
-        reference = None
-        ways = [("4-D", original), ("flat", flat_sums), ("complex", complex_sums)]
-        for name, sums in ways:
-            _points.weighted_sums = sums
-            jax.clear_caches()
-            run = eqx.filter_jit(lambda s, t: s.normalised(t))
-            first, best, out = first_and_best(lambda: run(series, t), 5)
-            if reference is None:
-                reference = out
-            difference = float(jnp.max(jnp.abs(out - reference)))
-            print(
-                f"  n={n} K={order} contraction {name:>7}: first {first:.2f} s, "
-                f"steady {best * 1e3:.2f} ms; max difference {difference:.1e}"
-            )
-        _points.weighted_sums = original
+        series_each_way(driven_series(n, order), ways, f"n={n} K={order}")
+    _points.weighted_sums = original
+
+
+def points_ways():
+    """The product at points' sums: as they are, flattened, and complex."""
+    return {"4-D": _points.weighted_sums, "flat": flat_sums, "complex": complex_sums}
 
 
 def main():

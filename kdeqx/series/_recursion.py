@@ -329,10 +329,10 @@ Terms = DenseTerms | FactoredTerms
 PLANES_FROM = 128
 # Backends whose propagators sum `V`'s planes along the rows rather than by a
 # contraction (`weighted_sums`' `along_rows`): on a TPU the scan runs markedly
-# faster and compiles sooner; on the CPU the contraction is the faster. There, from
-# `SUMS_IN_PARTS_FROM` on, a step sums only the rows that can have weights, up to
-# its own, rounded up to one of `PARTS` parts of the order, each a branch; below,
-# the branches cost more compile time than they save (`benchmarks/series_sums.py`).
+# faster and compiles sooner; on the CPU the contraction is the faster. On those
+# backends, from `SUMS_IN_PARTS_FROM` on, a step sums only the rows that can have
+# weights, up to its own, rounded up to one of `PARTS` parts of the order, each a
+# branch; below, the branches cost more than they save (`benchmarks/series_sums.py`).
 SUMS_ALONG_ROWS_ON = ("tpu",)
 SUMS_IN_PARTS_FROM = 1024
 
